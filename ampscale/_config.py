@@ -1,0 +1,486 @@
+"""Scaler settings: the presets, the frozen :class:`ScalerConfig`, and its validation.
+
+Every system ampscale reproduces is described by the same handful of orthogonal settings; a
+preset is only a row of defaults (see ``docs/presets.md`` for the table and the sources).
+
+=================== =====================================================================
+setting             meaning
+=================== =====================================================================
+counter_rule        ``"equal"``: grow when the good-step counter reaches the interval
+                    exactly (a counter already past it stalls); ``"modulo"``: the counter
+                    wraps at the interval (jmp, MindSpore); ``"at_least"``: grow on any
+                    count at or past the interval (tf.keras 2).
+interval_offset     steps added to ``growth_interval`` (flax grows on the N+1-th step).
+first_growth_delay  extra steps before the first growth after an overflow or at the start
+                    (DeepSpeed's ``stable_interval`` rule: first growth after N+1 steps).
+hysteresis_mode     how the overflow budget refills: ``"cumulative"`` only when the scale
+                    grows (Megatron, DeepSpeed), ``"consecutive"`` on every finite step (apex
+                    kernel, DeepSpeed ``consecutive_hysteresis``), ``"every_n"`` on every
+                    finite step and after each backoff (Paddle ``decr_every_n_nan_or_inf``).
+backoff_rule        ``"multiply"`` by ``backoff_factor``, or ``"divide"`` by
+                    ``growth_factor`` (the single-factor systems: jmp, DeepSpeed, apex).
+ceiling             ``"skip"``: a growth that would leave the finite range of the scale's
+                    dtype or pass ``max_scale`` is skipped (torch, jmp); ``"clamp"``: the
+                    grown scale is clamped to ``max_scale`` (flax: float32 max, apex: 2**24;
+                    no ``max_scale`` means no guard at all, as in Keras and Megatron).
+scale_dtype         the dtype the scale is stored in: float32, or float64 for systems that
+                    keep it in a Python float (DeepSpeed, apex).
+factor_precision    the precision of the factors in ``scale * factor``: float64 where the
+                    system multiplies by a double (torch's kernels, DeepSpeed, apex), float32
+                    where it multiplies two float32 values (jmp, flax, Megatron, Keras).
+=================== =====================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import struct
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Final, Literal, TypeAlias
+
+__all__ = [
+    "PRESETS",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "FloorEvent",
+    "OnFloor",
+    "Preset",
+    "ScalerConfig",
+    "make_config",
+]
+
+FLOAT32_MAX: Final = float.fromhex("0x1.fffffep+127")
+FLOAT32_TINY: Final = float.fromhex("0x1p-126")
+INT32_MAX: Final = 2**31 - 1
+INT32_MIN: Final = -(2**31)
+
+Mode: TypeAlias = Literal["dynamic", "static", "guard"]
+CounterRule: TypeAlias = Literal["equal", "modulo", "at_least"]
+HysteresisMode: TypeAlias = Literal["cumulative", "consecutive", "every_n"]
+BackoffRule: TypeAlias = Literal["multiply", "divide"]
+Ceiling: TypeAlias = Literal["skip", "clamp"]
+Precision: TypeAlias = Literal["float32", "float64"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorEvent:
+    """What an ``on_floor`` callback receives when the scale is stuck at its floor.
+
+    Attributes:
+        scale: the scale at the floor (a Python float).
+        consecutive: overflowing steps in a row at the floor, this one included.
+        step: the number of ``update`` calls made before this one.
+        reason: ``"loss"`` when the scaled loss itself was not finite, else ``"gradients"``.
+    """
+
+    scale: float
+    consecutive: int
+    step: int
+    reason: str
+
+
+OnFloor: TypeAlias = "Literal['ignore', 'warn', 'raise'] | Callable[[FloorEvent], None]"
+
+_CHOICES: Final[dict[str, tuple[str, ...]]] = {
+    "mode": ("dynamic", "static", "guard"),
+    "counter_rule": ("equal", "modulo", "at_least"),
+    "hysteresis_mode": ("cumulative", "consecutive", "every_n"),
+    "backoff_rule": ("multiply", "divide"),
+    "ceiling": ("skip", "clamp"),
+    "scale_dtype": ("float32", "float64"),
+    "factor_precision": ("float32", "float64"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One system's scaling policy, as defaults for every setting.
+
+    Attributes:
+        name: the preset's name, as passed to ``create_scaler(preset=...)``.
+        system: the system whose trajectory the preset reproduces.
+        source: where its rule lives (repository and path).
+        defaults: the value of every setting the preset fixes.
+        single_factor: the system has one factor: backoff divides by ``growth_factor``, and a
+            ``backoff_factor`` other than ``1 / growth_factor`` cannot be expressed.
+    """
+
+    name: str
+    system: str
+    source: str
+    defaults: Mapping[str, Any]
+    single_factor: bool = False
+
+
+def _preset(name: str, system: str, source: str, single_factor: bool = False, **defaults: Any) -> Preset:
+    base: dict[str, Any] = {
+        "mode": "dynamic",
+        "hysteresis": 1,
+        "hysteresis_mode": "cumulative",
+        "min_scale": None,
+        "max_scale": None,
+        "counter_rule": "equal",
+        "interval_offset": 0,
+        "first_growth_delay": 0,
+        "backoff_rule": "multiply",
+        "ceiling": "clamp",
+        "scale_dtype": "float32",
+        "factor_precision": "float32",
+        "on_floor": "ignore",
+        "floor_patience": 1,
+        "axis_name": None,
+    }
+    base.update(defaults)
+    if single_factor:
+        base["backoff_rule"] = "divide"
+        base.setdefault("backoff_factor", 1.0 / base["growth_factor"])
+    return Preset(name, system, source, base, single_factor)
+
+
+PRESETS: Final[dict[str, Preset]] = {
+    p.name: p
+    for p in [
+        _preset(
+            "torch",
+            "torch.amp.GradScaler",
+            "pytorch/pytorch:torch/amp/grad_scaler.py, aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            ceiling="skip",
+            factor_precision="float64",
+        ),
+        _preset(
+            "jmp",
+            "jmp.DynamicLossScale",
+            "google-deepmind/jmp:jmp/_src/loss_scale.py",
+            single_factor=True,
+            init_scale=2.0**15,
+            growth_factor=2.0,
+            growth_interval=2000,
+            min_scale=1.0,
+            counter_rule="modulo",
+            ceiling="skip",
+        ),
+        _preset(
+            "flax",
+            "flax.training.dynamic_scale.DynamicScale",
+            "google/flax:flax/training/dynamic_scale.py",
+            init_scale=65536.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            interval_offset=1,
+            min_scale=FLOAT32_TINY,
+            max_scale=FLOAT32_MAX,
+        ),
+        _preset(
+            "keras",
+            "keras.optimizers.LossScaleOptimizer (Keras 3)",
+            "keras-team/keras:keras/src/optimizers/loss_scale_optimizer.py",
+            init_scale=2.0**15,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+        ),
+        _preset(
+            "megatron",
+            "megatron.core.optimizer.grad_scaler.DynamicGradScaler",
+            "NVIDIA/Megatron-LM:megatron/core/optimizer/grad_scaler.py",
+            init_scale=2.0**32,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1000,
+            hysteresis=2,
+            min_scale=1.0,
+        ),
+        _preset(
+            "deepspeed",
+            "DeepSpeed ZeRO DynamicLossScaler",
+            "deepspeedai/DeepSpeed:deepspeed/runtime/fp16/loss_scaler.py",
+            single_factor=True,
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            growth_interval=1000,
+            hysteresis=2,
+            min_scale=1.0,
+            first_growth_delay=1,
+            scale_dtype="float64",
+            factor_precision="float64",
+            on_floor="raise",
+        ),
+        _preset(
+            "apex",
+            "apex.amp LossScaler (dynamic)",
+            "NVIDIA/apex:apex/amp/scaler.py (cb65b8ed^)",
+            single_factor=True,
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            growth_interval=2000,
+            hysteresis_mode="consecutive",
+            max_scale=2.0**24,
+            scale_dtype="float64",
+            factor_precision="float64",
+        ),
+        _preset(
+            "paddle",
+            "paddle.amp.GradScaler (dygraph)",
+            "PaddlePaddle/Paddle:python/paddle/amp/grad_scaler.py",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            hysteresis_mode="every_n",
+        ),
+        _preset(
+            "mindspore",
+            "mindspore.amp.DynamicLossScaler",
+            "mindspore-ai/mindspore:mindspore/python/mindspore/amp.py",
+            single_factor=True,
+            init_scale=2.0**24,
+            growth_factor=2.0,
+            growth_interval=2000,
+            min_scale=1.0,
+            counter_rule="modulo",
+            ceiling="skip",
+        ),
+        _preset(
+            "tf_keras",
+            "tf.keras.mixed_precision.LossScaleOptimizer (Keras 2)",
+            "keras-team/tf-keras:tf_keras/mixed_precision/loss_scale_optimizer.py",
+            single_factor=True,
+            init_scale=2.0**15,
+            growth_factor=2.0,
+            growth_interval=2000,
+            min_scale=1.0,
+            counter_rule="at_least",
+            ceiling="skip",
+        ),
+    ]
+}
+
+_SETTINGS: Final = (
+    "mode",
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "on_floor",
+    "floor_patience",
+    "hysteresis_mode",
+    "counter_rule",
+    "interval_offset",
+    "first_growth_delay",
+    "backoff_rule",
+    "ceiling",
+    "scale_dtype",
+    "factor_precision",
+    "axis_name",
+)
+
+
+def _round_to(value: float, dtype: str) -> float:
+    """Round a Python float to float32 (nearest even; inf when out of range) or keep float64."""
+    if dtype == "float64" or not math.isfinite(value):
+        return value
+    try:
+        rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+    return rounded
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerConfig:
+    """The validated, immutable settings of a scaler (static under ``jax.jit``).
+
+    Build one with :func:`ampscale.create_scaler`; the fields mirror its keyword arguments,
+    already resolved against the preset. Fields whose names start with ``_`` are derived.
+    """
+
+    preset: str
+    mode: str
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float | None
+    max_scale: float | None
+    on_floor: Any
+    floor_patience: int
+    hysteresis_mode: str
+    counter_rule: str
+    interval_offset: int
+    first_growth_delay: int
+    backoff_rule: str
+    ceiling: str
+    scale_dtype: str
+    factor_precision: str
+    axis_name: Hashable | None = None
+
+    # Derived values, computed once in __post_init__.
+    interval: int = dataclasses.field(init=False, repr=False)
+    initial_scale: float = dataclasses.field(init=False, repr=False)
+    growth_value: float = dataclasses.field(init=False, repr=False)
+    backoff_value: float = dataclasses.field(init=False, repr=False)
+    floor_value: float = dataclasses.field(init=False, repr=False)
+    min_value: float | None = dataclasses.field(init=False, repr=False)
+    max_value: float | None = dataclasses.field(init=False, repr=False)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+    _cache: dict[str, Any] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # computed once: configs are hashed on every jitted call
+        return self._hash
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        set_ = object.__setattr__
+        storage = self.scale_dtype
+        set_(self, "interval", self.growth_interval + self.interval_offset)
+        set_(self, "growth_value", _round_to(float(self.growth_factor), self.factor_precision))
+        if self.backoff_rule == "divide":
+            set_(self, "backoff_value", self.growth_value)
+        else:
+            set_(self, "backoff_value", _round_to(float(self.backoff_factor), self.factor_precision))
+        min_value = None if self.min_scale is None else _round_to(float(self.min_scale), storage)
+        max_value = None if self.max_scale is None else _round_to(float(self.max_scale), storage)
+        set_(self, "min_value", min_value)
+        set_(self, "max_value", max_value)
+        set_(self, "floor_value", 0.0 if min_value is None else min_value)
+        initial = 1.0 if self.mode == "guard" else _round_to(float(self.init_scale), storage)
+        if self.mode == "dynamic" and self.ceiling == "clamp" and max_value is not None:
+            initial = min(initial, max_value)  # apex caps the initial scale at the maximum
+        set_(self, "initial_scale", initial)
+        set_(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)))
+        set_(self, "_cache", {})
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fresh = ScalerConfig(**state)
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, getattr(fresh, f.name))
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the scale moves (``mode == "dynamic"``)."""
+        return self.mode == "dynamic"
+
+    @property
+    def scales(self) -> bool:
+        """Whether losses and gradients are multiplied at all (false in ``guard`` mode)."""
+        return self.mode != "guard"
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as plain values (``on_floor`` callables appear as ``"callback"``)."""
+        out = {name: getattr(self, name) for name in _SETTINGS if name != "axis_name"}
+        if callable(out["on_floor"]):
+            out["on_floor"] = "callback"
+        return out
+
+    def replace(self, **settings: Any) -> ScalerConfig:
+        """Return a copy with some settings changed, validated like the original."""
+        unknown = sorted(set(settings) - set(_SETTINGS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}; accepted: {list(_SETTINGS)}")
+        if "growth_factor" in settings and "backoff_factor" not in settings and self.backoff_rule == "divide":
+            settings["backoff_factor"] = 1.0 / settings["growth_factor"]
+        return dataclasses.replace(self, **settings)
+
+
+def _fail(setting: str, value: Any, accepted: str) -> ValueError:
+    return ValueError(f"{setting} must be {accepted}; got {value!r}")
+
+
+def _validate(c: ScalerConfig) -> None:
+    """Raise ``ValueError`` naming the first setting outside its accepted range."""
+    if c.preset not in PRESETS:
+        raise _fail("preset", c.preset, f"one of {sorted(PRESETS)}")
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        if value not in choices:
+            raise _fail(name, value, f"one of {list(choices)}")
+    if not _is_real(c.init_scale) or not math.isfinite(c.init_scale) or c.init_scale <= 0:
+        raise _fail("init_scale", c.init_scale, "a finite number > 0")
+    if c.mode == "guard" and c.init_scale != 1.0:
+        raise _fail("init_scale", c.init_scale, "1 (or left out) with mode='guard', which never scales")
+    if c.scale_dtype == "float32" and _round_to(float(c.init_scale), "float32") in (0.0, math.inf):
+        raise _fail("init_scale", c.init_scale, "inside the float32 range [1.4e-45, 3.4e38]")
+    if not _is_real(c.growth_factor) or not math.isfinite(c.growth_factor) or c.growth_factor <= 1:
+        raise _fail("growth_factor", c.growth_factor, "a finite number > 1")
+    if not _is_real(c.backoff_factor) or not 0 < c.backoff_factor < 1:
+        raise _fail("backoff_factor", c.backoff_factor, "a number in the open interval (0, 1)")
+    if c.backoff_rule == "divide" and not math.isclose(c.backoff_factor * c.growth_factor, 1.0, rel_tol=1e-12):
+        raise ValueError(
+            f"backoff_factor must be 1 / growth_factor = {1.0 / c.growth_factor!r} with "
+            f"backoff_rule='divide' (preset {c.preset!r} has a single factor); got "
+            f"{c.backoff_factor!r}. Pass backoff_rule='multiply' for independent factors."
+        )
+    for name in ("interval_offset", "first_growth_delay"):
+        if getattr(c, name) not in (0, 1) or isinstance(getattr(c, name), bool):
+            raise _fail(name, getattr(c, name), "0 or 1")
+    lowest = 1 - c.interval_offset
+    if not _is_int(c.growth_interval) or not lowest <= c.growth_interval <= INT32_MAX - 1:
+        raise _fail("growth_interval", c.growth_interval, f"an integer in [{lowest}, {INT32_MAX - 1}]")
+    if not _is_int(c.hysteresis) or not 1 <= c.hysteresis <= INT32_MAX:
+        raise _fail("hysteresis", c.hysteresis, "an integer >= 1")
+    if c.min_scale is not None and (not _is_real(c.min_scale) or not math.isfinite(c.min_scale) or c.min_scale < 0):
+        raise _fail("min_scale", c.min_scale, "None or a finite number >= 0")
+    if c.max_scale is not None and (not _is_real(c.max_scale) or math.isnan(c.max_scale) or c.max_scale <= 0):
+        raise _fail("max_scale", c.max_scale, "None or a number > 0")
+    if c.min_scale is not None and c.max_scale is not None and c.min_scale > c.max_scale:
+        raise ValueError(f"min_scale must be <= max_scale; got min_scale={c.min_scale!r} > max_scale={c.max_scale!r}")
+    if not (callable(c.on_floor) or c.on_floor in ("ignore", "warn", "raise")):
+        raise _fail("on_floor", c.on_floor, "'ignore', 'warn', 'raise' or a callable taking a FloorEvent")
+    if not _is_int(c.floor_patience) or c.floor_patience < 1:
+        raise _fail("floor_patience", c.floor_patience, "an integer >= 1")
+    try:
+        hash(c.axis_name)
+    except TypeError:
+        raise _fail("axis_name", c.axis_name, "None or a hashable axis name (str or tuple of str)") from None
+
+
+_UNSET: Final = object()
+
+
+def make_config(preset: str = "torch", **settings: Any) -> ScalerConfig:
+    """Resolve ``settings`` against ``preset``'s defaults and validate them.
+
+    Settings left out (or passed as :data:`UNSET`) take the preset's own default. Settings given
+    are read in that system's own terms; for single-factor presets (jmp, DeepSpeed, apex,
+    MindSpore, tf.keras) the backoff is ``1 / growth_factor`` unless ``backoff_rule`` is
+    changed too.
+    """
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise _fail("preset", preset, f"one of {sorted(PRESETS)}")
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; accepted: {list(_SETTINGS)}")
+    given = {k: v for k, v in settings.items() if v is not _UNSET}
+    values = dict(PRESETS[preset].defaults)
+    values.update(given)
+    if values["backoff_rule"] == "divide" and "backoff_factor" not in given:
+        growth = values["growth_factor"]
+        values["backoff_factor"] = 1.0 / growth if _is_real(growth) and growth != 0 else 0.5
+    if values["mode"] == "guard" and "init_scale" not in given:
+        values["init_scale"] = 1.0
+    if isinstance(values["max_scale"], float) and math.isinf(values["max_scale"]) and values["max_scale"] > 0:
+        values["max_scale"] = None
+    return ScalerConfig(preset=preset, **values)

@@ -1,0 +1,53 @@
+"""Exceptions and warnings raised by ampscale."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AmpscaleError",
+    "AmpscaleWarning",
+    "PerformanceWarning",
+    "ScaleAtFloorError",
+    "ScaleAtFloorWarning",
+    "StateDictError",
+]
+
+
+class AmpscaleError(Exception):
+    """Base class of the errors ampscale raises on purpose (bad settings raise ``ValueError``)."""
+
+
+class ScaleAtFloorError(AmpscaleError):
+    """The loss scale is at its floor and the steps keep overflowing.
+
+    Raised by :meth:`ampscale.Scaler.update` when the scaler's ``on_floor`` reaction is
+    ``"raise"`` (the default of the ``deepspeed`` preset, as DeepSpeed's ZeRO optimizers do).
+    Lowering the scale cannot help any more: the forward pass itself is probably producing
+    inf or nan (see :func:`ampscale.diagnose`).
+
+    Attributes:
+        scale: the scale (a Python float) when the overflow happened.
+        consecutive: how many overflowing steps in a row happened at the floor.
+        step: the number of ``update`` calls made before this one.
+    """
+
+    def __init__(self, message: str, *, scale: float, consecutive: int, step: int) -> None:
+        super().__init__(message)
+        self.scale = scale
+        self.consecutive = consecutive
+        self.step = step
+
+
+class StateDictError(AmpscaleError, ValueError):
+    """A state dict given to ``load_state_dict`` is missing keys, ill-typed, or too new."""
+
+
+class AmpscaleWarning(UserWarning):
+    """Base class of the warnings ampscale emits."""
+
+
+class ScaleAtFloorWarning(AmpscaleWarning):
+    """The loss scale is at its floor and the steps keep overflowing (``on_floor="warn"``)."""
+
+
+class PerformanceWarning(AmpscaleWarning):
+    """A fast path is unavailable and a slower, still exact, path is used instead."""

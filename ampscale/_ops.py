@@ -1,0 +1,248 @@
+"""The few operations the state machine needs, for host scalars and for array namespaces.
+
+:func:`ampscale._core.transition` is written once against this small interface. ``HostOps``
+runs it on Python scalars, for backends whose state lives in host memory (NumPy, PyTorch on
+CPU): a handful of Python operations instead of dozens of tiny array kernels. ``ArrayOps``
+runs it with any array-API namespace (JAX, CuPy, PyTorch on a GPU, array-api-strict), so the
+state never leaves the device.
+
+Both compute ``scale * factor`` the same way: in float64 (exactly what torch's kernels do with
+their ``double`` factors), rounded once to the scale's dtype. With float32 factors the float64
+product of two float32 values is exact and the division is rounded innocuously (53 >= 2*24 + 2
+bits), so the result equals a float32 multiply or divide bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ampscale._config import INT32_MAX, INT32_MIN, _round_to
+from ampscale._errors import AmpscaleWarning
+
+if TYPE_CHECKING:
+    from ampscale._config import ScalerConfig
+
+__all__ = ["ArrayOps", "HostOps", "Ops"]
+
+
+class HostOps:
+    """State-machine operations on host scalars: Python or NumPy ``bool``/``int``/``float``.
+
+    Args:
+        config: the scaler's settings.
+        scale_type: the type scales are stored as (``float``, ``numpy.float32``, ...).
+        int_type: the type counters are stored as (``int``, ``numpy.int32``).
+
+    Values that do not change keep their object, so a step creates only the few scalars that
+    move; float32 rounding of candidate scales is memoised (scales take few distinct values).
+    """
+
+    def __init__(self, config: ScalerConfig, scale_type: Any = float, int_type: Any = int) -> None:
+        self.config = config
+        self.scale_type = scale_type
+        self.int_type = int_type
+        self._ints: dict[int, Any] = {}
+        self._rounded: dict[float, float] = {}
+        self._grown: dict[Any, Any] = {}
+        self._shrunk: dict[Any, Any] = {}
+
+    @staticmethod
+    def as_bool(value: Any) -> bool:
+        return bool(value)
+
+    @staticmethod
+    def logical_not(a: bool) -> bool:
+        return not a
+
+    @staticmethod
+    def logical_and(a: bool, b: bool) -> bool:
+        return a and b
+
+    @staticmethod
+    def logical_or(a: bool, b: bool) -> bool:
+        return a or b
+
+    @staticmethod
+    def where(condition: bool, a: Any, b: Any) -> Any:
+        return a if condition else b
+
+    def int32(self, value: int) -> Any:
+        constant = self._ints.get(value)
+        if constant is None:
+            constant = self._ints[value] = self.int_type(value)
+        return constant
+
+    @staticmethod
+    def false() -> bool:
+        return False
+
+    @staticmethod
+    def saturating_increment(value: Any) -> Any:
+        return value + 1 if value < INT32_MAX else value
+
+    @staticmethod
+    def saturating_decrement(value: Any) -> Any:
+        return value - 1 if value > INT32_MIN else value
+
+    @staticmethod
+    def saturating_add(value: Any, flag: bool) -> Any:
+        return value + 1 if flag and value < INT32_MAX else value
+
+    def scale_constant(self, value: float) -> float:
+        return value
+
+    def _round(self, value: float) -> float:
+        rounded = self._rounded.get(value)
+        if rounded is None:
+            if len(self._rounded) > 4096:
+                self._rounded.clear()
+            rounded = self._rounded[value] = _round_to(value, self.config.scale_dtype)
+        return rounded
+
+    def grow(self, scale: Any) -> Any:
+        # The transition asks for both candidates every step; the scale rarely moves.
+        grown = self._grown.get(scale)
+        if grown is None:
+            if len(self._grown) > 1024:
+                self._grown.clear()
+            grown = self._grown[scale] = self._grow(scale)
+        return grown
+
+    def shrink(self, scale: Any) -> Any:
+        shrunk = self._shrunk.get(scale)
+        if shrunk is None:
+            if len(self._shrunk) > 1024:
+                self._shrunk.clear()
+            shrunk = self._shrunk[scale] = self._shrink(scale)
+        return shrunk
+
+    def _grow(self, scale: Any) -> Any:
+        c = self.config
+        candidate = self._round(float(scale) * c.growth_value)
+        if c.ceiling == "skip":
+            if not math.isfinite(candidate) or (c.max_value is not None and candidate > c.max_value):
+                return scale
+        elif c.max_value is not None and candidate > c.max_value:
+            candidate = c.max_value
+        return self.scale_type(candidate)
+
+    def _shrink(self, scale: Any) -> Any:
+        c = self.config
+        wide = float(scale)
+        candidate = self._round(wide / c.backoff_value if c.backoff_rule == "divide" else wide * c.backoff_value)
+        if c.min_value is not None and candidate < c.min_value:
+            candidate = c.min_value
+        return self.scale_type(candidate)
+
+
+class ArrayOps:
+    """State-machine operations with an array-API namespace, on 0-d arrays of one device.
+
+    Args:
+        config: the scaler's settings.
+        xp: the array namespace.
+        device: where new constants are placed (``None`` lets the namespace decide).
+        has_float64: whether the namespace and device support float64 arithmetic.
+    """
+
+    def __init__(self, config: ScalerConfig, xp: Any, device: Any, has_float64: bool) -> None:
+        self.config = config
+        self.xp = xp
+        self.device = device
+        if config.scale_dtype == "float64" and not has_float64:
+            raise ValueError(
+                f"scale_dtype='float64' (the default of preset {config.preset!r}, whose system keeps "
+                "the scale in a Python float) needs float64 support, which this backend lacks "
+                "(for JAX: jax.config.update('jax_enable_x64', True)); pass scale_dtype='float32' "
+                "to keep the scale in float32 (the same trajectory while the scale stays within "
+                "the float32 range)"
+            )
+        self.storage = xp.float64 if config.scale_dtype == "float64" else xp.float32
+        self.arithmetic = xp.float64 if has_float64 else xp.float32
+        if not has_float64 and config.factor_precision == "float64":
+            inexact = [
+                name
+                for name, value in (("growth_factor", config.growth_value), ("backoff", config.backoff_value))
+                if _round_to(value, "float32") != value
+            ]
+            if inexact and config.dynamic:
+                warnings.warn(
+                    f"{', '.join(inexact)} of preset {config.preset!r} is not exactly representable "
+                    "in float32 and this backend has no float64: scale updates are computed in "
+                    "float32 and may differ from the reference system in the last bit",
+                    AmpscaleWarning,
+                    stacklevel=4,
+                )
+        self.growth = self._const(config.growth_value, self.arithmetic)
+        self.backoff = self._const(config.backoff_value, self.arithmetic)
+        self.min_value = None if config.min_value is None else self.scale_constant(config.min_value)
+        self.max_value = None if config.max_value is None else self.scale_constant(config.max_value)
+
+    def _const(self, value: Any, dtype: Any) -> Any:
+        return self.xp.asarray(value, dtype=dtype, device=self.device)
+
+    def as_bool(self, value: Any) -> Any:
+        xp = self.xp
+        if isinstance(value, bool):
+            return self._const(value, xp.bool)
+        if value.dtype != xp.bool:
+            return xp.astype(value, xp.bool)
+        return value
+
+    def logical_not(self, a: Any) -> Any:
+        return self.xp.logical_not(a)
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        return self.xp.logical_and(a, b)
+
+    def logical_or(self, a: Any, b: Any) -> Any:
+        return self.xp.logical_or(a, b)
+
+    def where(self, condition: Any, a: Any, b: Any) -> Any:
+        return self.xp.where(condition, a, b)
+
+    def int32(self, value: int) -> Any:
+        return self._const(value, self.xp.int32)
+
+    def false(self) -> Any:
+        return self._const(False, self.xp.bool)
+
+    def saturating_increment(self, value: Any) -> Any:
+        xp = self.xp
+        return value + xp.astype(value < INT32_MAX, xp.int32)
+
+    def saturating_decrement(self, value: Any) -> Any:
+        xp = self.xp
+        return value - xp.astype(value > INT32_MIN, xp.int32)
+
+    def saturating_add(self, value: Any, flag: Any) -> Any:
+        xp = self.xp
+        return value + xp.astype(xp.logical_and(flag, value < INT32_MAX), xp.int32)
+
+    def scale_constant(self, value: float) -> Any:
+        return self._const(value, self.storage)
+
+    def grow(self, scale: Any) -> Any:
+        xp, c = self.xp, self.config
+        with np.errstate(over="ignore"):  # NumPy-backed namespaces warn on the intended inf
+            candidate = xp.astype(xp.astype(scale, self.arithmetic) * self.growth, self.storage)
+        if c.ceiling == "skip":
+            fits = xp.isfinite(candidate)
+            if self.max_value is not None:
+                fits = xp.logical_and(fits, candidate <= self.max_value)
+            return xp.where(fits, candidate, scale)
+        return candidate if self.max_value is None else xp.minimum(candidate, self.max_value)
+
+    def shrink(self, scale: Any) -> Any:
+        xp, c = self.xp, self.config
+        wide = xp.astype(scale, self.arithmetic)
+        product = wide / self.backoff if c.backoff_rule == "divide" else wide * self.backoff
+        candidate = xp.astype(product, self.storage)
+        return candidate if self.min_value is None else xp.maximum(candidate, self.min_value)
+
+
+Ops = HostOps | ArrayOps

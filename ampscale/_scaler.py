@@ -1,0 +1,552 @@
+"""The immutable :class:`Scaler` and :func:`create_scaler`: the three patent interfaces.
+
+* creation: :func:`create_scaler` builds a scaler from construction parameters;
+* scale: :meth:`Scaler.scale` multiplies the loss; :meth:`Scaler.unscale` (given the scaled loss)
+  counts a scaled loss that overflowed as an overflow of the step;
+* optimizer iteration: :meth:`Scaler.unscale` + :meth:`Scaler.update`, or the one-call
+  :meth:`Scaler.step`, unscale the gradients, skip the update on overflow and adjust the scale.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ampscale._config import _UNSET, FloorEvent, ScalerConfig, make_config
+from ampscale._core import REASONS, ScalerState, initial_values, transition
+from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale.backends import backend_of, backend_of_leaves, get_backend
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ampscale.backends._base import Backend
+
+__all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler"]
+
+
+class StepOutcome(NamedTuple):
+    """What happened at the last step, as 0-d values on the scaler's device (no host sync).
+
+    Read them with ``bool(...)``/``float(...)`` (a sync on GPUs), or gate other updates on
+    ``applied`` without leaving the device, e.g. ``where(outcome.applied, new_ema, ema)``.
+
+    Attributes:
+        applied: whether the last step's update was applied.
+        reason: 0 applied, 1 the scaled loss was not finite, 2 a gradient was not finite,
+            -1 no step yet (see :meth:`reason_name`).
+        scale_before: the scale the step ran with.
+        scale_after: the scale for the next step.
+        steps: steps so far.
+        skipped_steps: steps skipped so far.
+        loss_overflows: steps skipped because the scaled loss was not finite.
+        grad_overflows: steps skipped because a gradient was not finite.
+    """
+
+    applied: Any
+    reason: Any
+    scale_before: Any
+    scale_after: Any
+    steps: Any
+    skipped_steps: Any
+    loss_overflows: Any
+    grad_overflows: Any
+
+    @staticmethod
+    def reason_name(code: int) -> str:
+        """``"applied"``, ``"loss"``, ``"gradients"`` or ``"no step yet"`` for a reason code."""
+        return REASONS[int(code)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Host values (a sync on GPUs): Python bools, ints and floats, and the reason's name."""
+        out: dict[str, Any] = {
+            "applied": bool(self.applied),
+            "reason": self.reason_name(int(self.reason)),
+            "scale_before": float(self.scale_before),
+            "scale_after": float(self.scale_after),
+        }
+        for name in ("steps", "skipped_steps", "loss_overflows", "grad_overflows"):
+            out[name] = int(getattr(self, name))
+        return out
+
+
+class Scaler:
+    """A loss scaler: static settings plus a :class:`~ampscale._core.ScalerState` of 0-d arrays.
+
+    Immutable: :meth:`update`, :meth:`step` and :meth:`load_state_dict` return a new scaler.
+    Create one with :func:`create_scaler`.
+
+    Example:
+        >>> import numpy as np, ampscale
+        >>> scaler = ampscale.create_scaler(init_scale=1024.0, growth_interval=2)
+        >>> loss = np.float32(0.5)
+        >>> float(scaler.scale(loss))
+        512.0
+        >>> grads, finite = scaler.unscale([np.full(3, 1024.0, np.float32)])
+        >>> grads[0], bool(finite)
+        (array([1., 1., 1.], dtype=float32), True)
+        >>> scaler = scaler.update(finite)
+        >>> scaler.get_scale()
+        1024.0
+    """
+
+    __slots__ = ("_backend", "_config", "_state")
+    _config: ScalerConfig
+    _state: ScalerState | None
+    _backend: Backend | None
+
+    def __init__(self, config: ScalerConfig, state: ScalerState | None = None, backend: Backend | None = None):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_backend", backend)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Scaler is immutable; use update(), step() or replace() ({name!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        backend = None if self._backend is None else self._backend.name
+        return (_restore, (self.config, self.state_dict() if self._state is not None else None, backend))
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def config(self) -> ScalerConfig:
+        """The static settings."""
+        return self._config
+
+    @property
+    def state(self) -> ScalerState | None:
+        """The dynamic state as 0-d values of the backend (``None`` until the backend is known)."""
+        if self._state is None or self._backend is None:
+            return self._state
+        return self._backend.public_state(self._state, self._config)
+
+    @property
+    def backend(self) -> Backend | None:
+        """The backend adapter (``None`` until detected from the first arrays seen)."""
+        return self._backend
+
+    @property
+    def outcome(self) -> StepOutcome:
+        """The last step's :class:`StepOutcome`, on device (no sync)."""
+        state = self._state
+        if state is None:
+            values = initial_values(self._config)
+            return StepOutcome(False, -1, values.scale, values.scale, 0, 0, 0, 0)
+        backend = self._require_backend()
+        state = backend.public_state(state, self._config)
+        applied = state.last_reason == 0
+        if backend.host_state:
+            applied = backend.as_bool(bool(applied))
+        return StepOutcome(
+            applied,
+            state.last_reason,
+            state.last_scale,
+            state.scale,
+            state.steps,
+            state.skipped_steps,
+            state.loss_overflows,
+            state.grad_overflows,
+        )
+
+    def __repr__(self) -> str:
+        backend = "undetected" if self._backend is None else self._backend.name
+        c = self._config
+        return (
+            f"Scaler(preset={c.preset!r}, mode={c.mode!r}, backend={backend}, "
+            f"growth_interval={c.growth_interval}, growth_factor={c.growth_factor}, "
+            f"backoff_factor={c.backoff_factor}, hysteresis={c.hysteresis})"
+        )
+
+    # -- internals --------------------------------------------------------------------------
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("the scaler's backend is not known yet")
+        return self._backend
+
+    def _backend_for(self, leaves: Any, what: str) -> Backend:
+        """The backend for arrays the caller passed; must match the one holding the state."""
+        own = self._backend
+        if own is not None:
+            return own
+        found = backend_of_leaves(leaves, what)
+        return found if found is not None else get_backend("numpy")
+
+    def _state_on(self, backend: Backend, like: Any) -> ScalerState:
+        """The state, created on ``like``'s device the first time it is needed."""
+        state = self._state
+        if state is None:
+            return backend.make_state(initial_values(self._config), self._config, like)
+        return state
+
+    # -- the scale interface ------------------------------------------------------------
+    def scale(self, loss: Any) -> Any:
+        """Multiply ``loss`` by the current scale (same array type and device as ``loss``).
+
+        The result follows the framework's type promotion with a float32 scale (a float16 loss
+        becomes float32, as with ``torch.amp.GradScaler`` and jmp). In ``guard`` mode the loss
+        is returned unchanged. Pass the result to :meth:`unscale` as ``loss=`` (or to
+        :meth:`step`) so that a scaled loss that overflowed counts as an overflow of the step.
+        """
+        if not self._config.scales:
+            return loss
+        backend = self._backend_for((loss,), "loss")
+        backend.validate((loss,), None, "loss")
+        state = self._state_on(backend, loss)
+        return backend.multiply_by_scale(loss, backend.to_device_of(state.scale, loss))
+
+    # -- the optimizer-iteration interface --------------------------------------------------
+    def unscale(self, grads: Any, loss: Any = None, *, axis_name: Any = _UNSET) -> tuple[Any, Any]:
+        """Unscale ``grads`` and check them (and the scaled ``loss``, if given) for inf/nan.
+
+        Args:
+            grads: a tree (list, tuple, dict, named tuple, nested; any pytree under JAX) of
+                floating arrays; writable NumPy/CuPy/torch arrays are unscaled in place and
+                returned.
+            loss: the scaled loss from :meth:`scale`; if it is not finite the step counts as an
+                overflow even when every gradient is finite.
+            axis_name: devices or processes that must agree on the flag (a JAX axis name, a
+                ``torch.distributed`` process group, a CuPy NCCL communicator, or a callable
+                ``bool -> bool``); defaults to the scaler's ``axis_name`` setting.
+
+        Returns:
+            ``(grads, finite)``: the unscaled tree and a 0-d bool array on the gradients' device,
+            false if the loss or any gradient held inf or nan.
+        """
+        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
+        if loss_finite is None:
+            return grads, grads_finite
+        return grads, backend.logical_and(grads_finite, loss_finite)
+
+    def _unscale(self, grads: Any, loss: Any, axis_name: Any) -> tuple[Any, Any, Any, Backend]:
+        config = self._config
+        backend = self._backend
+        if backend is None:
+            probe = _probe_leaves(grads)
+            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
+        leaves, spec = backend.flatten(grads)
+        backend.validate(leaves, spec)
+        if loss is not None:
+            backend.validate((loss,), None, "loss")
+        like = leaves[0] if leaves else loss
+        state = self._state_on(backend, like)
+        inv = backend.inverse_scale(state.scale) if config.scales else None
+        if leaves:
+            new_leaves, finite = backend.check_and_unscale(leaves, inv)
+        else:
+            new_leaves, finite = leaves, backend.as_bool(True, like)
+        loss_finite = None if loss is None else backend.all_finite([loss])
+        group = config.axis_name if axis_name is _UNSET else axis_name
+        if group is not None:
+            finite = backend.agree(finite, group)
+            if loss_finite is not None:
+                loss_finite = backend.agree(loss_finite, group)
+        return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
+
+    def update(self, finite: Any, *, loss_finite: Any = None) -> Scaler:
+        """Return the scaler for the next step, given whether this step was finite.
+
+        Args:
+            finite: 0-d bool (array or Python bool): false when the step overflowed.
+            loss_finite: optional 0-d bool: false when the scaled loss itself overflowed, so the
+                outcome and counters record the reason (:meth:`step` passes it for you).
+
+        Raises:
+            ScaleAtFloorError: with ``on_floor="raise"``, when the step overflowed with the scale
+                already at its floor (this scaler is left unchanged).
+        """
+        backend = self._backend
+        if backend is None:
+            backend = backend_of(finite) or get_backend("numpy")
+        return self._update(backend, finite, loss_finite)
+
+    def _update(self, backend: Backend, finite: Any, loss_finite: Any) -> Scaler:
+        config = self._config
+        state = self._state_on(backend, finite)
+        ops = backend.ops(config, state)
+        if backend.host_state:
+            values = backend.read_state(state)
+            loss_ok = True if loss_finite is None else bool(loss_finite)
+            new_values, floor_event = transition(config, values, bool(finite), loss_ok, ops)
+            if floor_event and config.on_floor != "ignore":
+                self._react_to_floor(new_values)
+            new_state = backend.make_state(new_values, config, state.scale, (state, values))
+            return Scaler(config, new_state, backend)
+        finite = backend.as_bool(finite, state.scale)
+        loss_ok = backend.as_bool(True if loss_finite is None else loss_finite, state.scale)
+        new_state, floor_event = transition(config, state, finite, loss_ok, ops)
+        if config.on_floor != "ignore":
+            if backend.is_tracing(floor_event):
+                backend.host_callback(self._react_to_floor_traced, floor_event, *new_state)  # type: ignore[attr-defined]
+            elif bool(floor_event):  # an explicit, documented host read
+                self._react_to_floor(backend.read_state(new_state))
+        return Scaler(config, new_state, backend)
+
+    def _react_to_floor_traced(self, floor_event: Any, *values: Any) -> None:
+        if bool(floor_event):
+            self._react_to_floor(ScalerState(*(v.item() for v in values)))
+
+    def _react_to_floor(self, values: ScalerState) -> None:
+        config = self._config
+        consecutive = int(values.floor_overflows)
+        if consecutive < config.floor_patience:
+            return
+        event = FloorEvent(
+            scale=float(values.last_scale),
+            consecutive=consecutive,
+            step=int(values.steps) - 1,
+            reason=REASONS[int(values.last_reason)],
+        )
+        reaction = config.on_floor
+        if callable(reaction):
+            reaction(event)
+            return
+        message = (
+            f"loss scale already at its floor ({event.scale!r}) and step {event.step} overflowed "
+            f"again ({consecutive} in a row, cause: non-finite {event.reason}); lowering the "
+            "scale cannot help: look for inf/nan produced by the forward pass (ampscale.diagnose), "
+            "or train in bfloat16"
+        )
+        if reaction == "raise":
+            raise ScaleAtFloorError(message, scale=event.scale, consecutive=consecutive, step=event.step)
+        # warn at the first event, then at 2x, 4x, ... patience so overflow storms stay readable
+        excess = consecutive // config.floor_patience
+        if excess & (excess - 1) == 0:
+            warnings.warn(message, ScaleAtFloorWarning, stacklevel=4)
+
+    def step(
+        self,
+        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+        *,
+        loss: Any = None,
+        axis_name: Any = _UNSET,
+    ) -> tuple[Any, Any, Scaler]:
+        """One optimizer iteration: unscale, check, apply ``update_fn`` unless overflowed, update.
+
+        Args:
+            update_fn: ``(params, grads, opt_state) -> (params, opt_state)``, e.g. one SGD or Adam
+                step. On backends whose flag lives on a device (JAX, CuPy, torch on GPU) it is
+                evaluated and its result discarded leaf by leaf on overflow, so it must be
+                functional; on host backends it is not called at all on overflow.
+            params: a tree of arrays, the parameters.
+            grads: a tree of arrays, the (still scaled) gradients.
+            opt_state: a tree of arrays, the optimizer state.
+            loss: the scaled loss, so that its overflow skips the step too.
+            axis_name: see :meth:`unscale`.
+
+        Returns:
+            ``(params, opt_state, scaler)``: on an overflowing step ``params`` and ``opt_state``
+            are the inputs, bitwise, and the returned scaler has backed off.
+        """
+        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
+        finite = grads_finite if loss_finite is None else backend.logical_and(grads_finite, loss_finite)
+        new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
+        return new_params, new_opt_state, self._update(backend, finite, loss_finite)
+
+    # -- host reads ---------------------------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale as a Python float: an explicit host read (a sync on GPUs)."""
+        if self._state is None:
+            return self._config.initial_scale
+        return float(self._state.scale)
+
+    def replace(self, **settings: Any) -> Scaler:
+        """A scaler with some settings changed and the same state (settings are validated)."""
+        return Scaler(self._config.replace(**settings), self._state, self._backend)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serialisable, versioned dict of the settings and state (a host read).
+
+        It also carries ``torch.amp.GradScaler``'s five keys, so ``torch.amp.GradScaler`` can
+        load it. See :mod:`ampscale._state_dict` for the format.
+        """
+        from ampscale._state_dict import to_state_dict
+
+        backend = self._backend
+        if self._state is None or backend is None:
+            values = initial_values(self._config)
+        else:
+            values = backend.read_state(self._state)
+        return to_state_dict(self._config, values)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Scaler:
+        """Return a scaler with the settings and state of ``state_dict`` (this one is unchanged).
+
+        Accepts dicts from :meth:`state_dict` (any backend, any version up to the current one)
+        and from ``torch.amp.GradScaler.state_dict()``. Like torch, loading replaces the
+        growth/backoff settings with the saved ones.
+
+        Raises:
+            StateDictError: missing or ill-typed keys, or a newer format version.
+        """
+        from ampscale._state_dict import from_state_dict
+
+        config, values = from_state_dict(state_dict, self._config)
+        backend = self._backend
+        if backend is None:
+            return Scaler(config, None, None) if values == initial_values(config) else _pending(config, values)
+        like = None if self._state is None else self._state.scale
+        return Scaler(config, backend.make_state(values, config, like), backend)
+
+
+def _probe_leaves(tree: Any) -> list[Any]:
+    """Some leaves of ``tree``, to detect its backend (JAX pytrees flattened by JAX)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return list(jax.tree_util.tree_leaves(tree))
+    from ampscale import _tree
+
+    return _tree.flatten(tree)[0]
+
+
+class _PendingScaler(Scaler):
+    """A scaler loaded from a state dict before its backend is known (state kept on the host)."""
+
+    __slots__ = ("_values",)
+    _values: ScalerState
+
+    def __init__(self, config: ScalerConfig, values: ScalerState) -> None:
+        super().__init__(config, None, None)
+        object.__setattr__(self, "_values", values)
+
+    def _state_on(self, backend: Backend, like: Any) -> ScalerState:
+        return backend.make_state(self._values, self._config, like)
+
+    def get_scale(self) -> float:
+        return float(self._values.scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        from ampscale._state_dict import to_state_dict
+
+        return to_state_dict(self._config, self._values)
+
+    def replace(self, **settings: Any) -> Scaler:
+        return _PendingScaler(self._config.replace(**settings), self._values)
+
+    @property
+    def outcome(self) -> StepOutcome:
+        v = self._values
+        return StepOutcome(
+            v.last_reason == 0,
+            v.last_reason,
+            v.last_scale,
+            v.scale,
+            v.steps,
+            v.skipped_steps,
+            v.loss_overflows,
+            v.grad_overflows,
+        )
+
+
+def _pending(config: ScalerConfig, values: ScalerState) -> Scaler:
+    return _PendingScaler(config, values)
+
+
+def _restore(config: ScalerConfig, state_dict: dict[str, Any] | None, backend: str | None) -> Scaler:
+    scaler = Scaler(config, None, None if backend is None else get_backend(backend))
+    if state_dict is None:
+        return scaler
+    return scaler.load_state_dict(state_dict)
+
+
+def create_scaler(
+    backend: Any = None,
+    preset: str = "torch",
+    *,
+    mode: str = _UNSET,  # type: ignore[assignment]
+    init_scale: float = _UNSET,  # type: ignore[assignment]
+    growth_factor: float = _UNSET,  # type: ignore[assignment]
+    backoff_factor: float = _UNSET,  # type: ignore[assignment]
+    growth_interval: int = _UNSET,  # type: ignore[assignment]
+    hysteresis: int = _UNSET,  # type: ignore[assignment]
+    min_scale: float | None = _UNSET,  # type: ignore[assignment]
+    max_scale: float | None = _UNSET,  # type: ignore[assignment]
+    on_floor: Any = _UNSET,
+    floor_patience: int = _UNSET,  # type: ignore[assignment]
+    axis_name: Any = _UNSET,
+    **rules: Any,
+) -> Scaler:
+    """Create a loss scaler (the patent's *creation* interface).
+
+    Every setting left out takes ``preset``'s own default; settings given are read in that
+    system's own terms (flax's ``growth_interval`` grows on the N+1-th finite step, Paddle's
+    ``hysteresis`` is ``decr_every_n_nan_or_inf``, ...).
+
+    Args:
+        backend: ``"numpy"``, ``"cupy"``, ``"jax"``, ``"torch"``, an array-API namespace, or
+            ``None`` to detect it from the first arrays the scaler sees.
+        preset: whose exact policy to reproduce: ``"torch"`` (default), ``"jmp"``, ``"flax"``,
+            ``"keras"``, ``"megatron"``, ``"deepspeed"``, ``"apex"``, ``"paddle"``,
+            ``"mindspore"``, ``"tf_keras"``.
+        mode: ``"dynamic"`` (default), ``"static"`` (fixed scale, still skips non-finite
+            steps) or ``"guard"`` (bf16: no scaling at all, only skips non-finite steps).
+        init_scale: initial scale (finite, > 0).
+        growth_factor: factor applied after ``growth_interval`` finite steps (> 1).
+        backoff_factor: factor applied on overflow, in (0, 1).
+        growth_interval: finite steps between growths (>= 1).
+        hysteresis: overflows tolerated before a backoff (>= 1; 1 = back off on every one).
+        min_scale: floor of the scale (``None``: none).
+        max_scale: ceiling of the scale (``None``: only the float range).
+        on_floor: what to do when a step overflows with the scale already at its floor:
+            ``"ignore"``, ``"warn"``, ``"raise"`` (:class:`ScaleAtFloorError`) or a callable
+            taking a :class:`FloorEvent`. Reactions other than ``"ignore"`` read one flag from
+            the device at each ``update`` (a sync on GPUs).
+        floor_patience: overflows in a row at the floor before ``on_floor`` reacts.
+        axis_name: default group for agreement across devices (see :meth:`Scaler.unscale`).
+        **rules: the orthogonal rule settings ``counter_rule``, ``interval_offset``,
+            ``first_growth_delay``, ``hysteresis_mode``, ``backoff_rule``, ``ceiling``,
+            ``scale_dtype``, ``factor_precision`` (see ``docs/presets.md``).
+
+    Raises:
+        ValueError: a setting is out of its accepted range (the message names it and the range),
+            or the preset or backend is unknown.
+    """
+    config = make_config(
+        preset,
+        mode=mode,
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        on_floor=on_floor,
+        floor_patience=floor_patience,
+        axis_name=axis_name,
+        **rules,
+    )
+    resolved = None if backend is None else get_backend(backend)
+    if resolved is None:
+        # A JAX user may pass the scaler straight into jax.jit: make it a pytree now if JAX is
+        # already imported (never import it otherwise).
+        if "jax" in sys.modules:
+            get_backend("jax")
+        return Scaler(config)
+    state = None if resolved.lazy_state else resolved.make_state(initial_values(config), config)
+    return Scaler(config, state, resolved)
+
+
+def all_finite(tree: Any, *, backend: Any = None) -> Any:
+    """A 0-d bool array on the leaves' device: whether every element of every leaf is finite.
+
+    Exact (inf, -inf and nan anywhere are found; no finite value is ever flagged) and fused
+    like :meth:`Scaler.unscale`. An empty tree is finite.
+
+    Example:
+        >>> import numpy as np, ampscale
+        >>> bool(ampscale.all_finite({"w": np.ones(3), "b": np.array([1.0, np.inf])}))
+        False
+    """
+    if backend is not None:
+        resolved = get_backend(backend)
+    else:
+        resolved = backend_of_leaves(_probe_leaves(tree), "leaves") or get_backend("numpy")
+    leaves, spec = resolved.flatten(tree)
+    resolved.validate(leaves, spec, "leaf")
+    if not leaves:
+        return resolved.as_bool(True)
+    return resolved.all_finite(leaves)

@@ -1,0 +1,180 @@
+"""The checkpoint format: plain, JSON-serialisable, versioned, portable across backends.
+
+A dict from :meth:`ampscale.Scaler.state_dict` holds ``torch.amp.GradScaler``'s five keys at
+the top level, so ``torch.amp.GradScaler.load_state_dict`` accepts it, plus everything else
+under ``"ampscale"``::
+
+    {
+        "scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 2000, "_growth_tracker": 17,
+        "ampscale": {
+            "version": 1,
+            "preset": "torch",
+            "settings": {"mode": "dynamic", "init_scale": 65536.0, ...},
+            "state": {"scale": 65536.0, "growth_tracker": 17, "hysteresis_tracker": 1,
+                      "steps": 17, "skipped_steps": 0, ...},
+        },
+    }
+
+:func:`from_state_dict` also accepts a dict saved by ``torch.amp.GradScaler`` (the five keys
+only): like torch, it replaces the growth and backoff settings and the tracker, and keeps the
+scaler's other settings. Every key is checked before anything is built; a bad dict raises
+:class:`~ampscale.StateDictError` naming the key, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Final
+
+from ampscale._config import _SETTINGS, PRESETS, ScalerConfig, make_config
+from ampscale._core import INT_FIELDS, ScalerState, initial_values
+from ampscale._errors import StateDictError
+
+__all__ = ["FORMAT_VERSION", "from_state_dict", "to_state_dict"]
+
+#: Version of the format written by this ampscale. Loading accepts this version and older ones.
+FORMAT_VERSION: Final = 1
+
+_TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def to_state_dict(config: ScalerConfig, values: ScalerState) -> dict[str, Any]:
+    """Build the dict for ``config`` and host-scalar state ``values``."""
+    settings = config.settings()
+    state = {
+        name: (int(v) if name in INT_FIELDS else float(v)) for name, v in zip(ScalerState._fields, values, strict=True)
+    }
+    return {
+        "scale": state["scale"],
+        "growth_factor": float(config.growth_factor),
+        "backoff_factor": float(config.backoff_factor),
+        "growth_interval": int(config.growth_interval),
+        "_growth_tracker": state["growth_tracker"],
+        "ampscale": {
+            "version": FORMAT_VERSION,
+            "preset": config.preset,
+            "settings": {k: (float(v) if isinstance(v, float) else v) for k, v in settings.items()},
+            "state": state,
+        },
+    }
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _bad(key: str, value: Any, accepted: str) -> StateDictError:
+    return StateDictError(f"state dict key {key!r} must be {accepted}; got {value!r}")
+
+
+def _check_scale(key: str, value: Any) -> float:
+    if not _is_number(value) or math.isnan(value) or value < 0:
+        raise _bad(key, value, "a number >= 0")
+    return float(value)
+
+
+def _check_int32(key: str, value: Any) -> int:
+    if not _is_int(value) or not _INT32[0] <= value <= _INT32[1]:
+        raise _bad(key, value, f"an integer in [{_INT32[0]}, {_INT32[1]}]")
+    return int(value)
+
+
+def from_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
+    """Validate ``state_dict`` and return the config and host-scalar state it describes.
+
+    Args:
+        state_dict: a dict from :func:`to_state_dict` (any version up to :data:`FORMAT_VERSION`)
+            or from ``torch.amp.GradScaler.state_dict()``.
+        current: the loading scaler's config; supplies what the dict does not hold (the
+            ``axis_name``, an ``on_floor`` callback, and for torch dicts every ampscale setting).
+    """
+    if not isinstance(state_dict, dict):
+        raise StateDictError(f"a state dict must be a dict; got {type(state_dict).__name__}")
+    if not state_dict:
+        raise StateDictError("the state dict is empty (torch.amp.GradScaler returns {} when disabled); nothing to load")
+    if "ampscale" in state_dict:
+        return _from_ampscale(state_dict["ampscale"], current)
+    return _from_torch(state_dict, current)
+
+
+def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
+    missing = [k for k in _TORCH_KEYS if k not in state_dict]
+    if missing:
+        raise StateDictError(
+            f"state dict misses key(s) {missing}: expected ampscale's format (with an 'ampscale' "
+            f"key) or torch.amp.GradScaler's keys {list(_TORCH_KEYS)}; got keys {sorted(state_dict)}"
+        )
+    scale = _check_scale("scale", state_dict["scale"])
+    for key in ("growth_factor", "backoff_factor"):
+        if not _is_number(state_dict[key]):
+            raise _bad(key, state_dict[key], "a number")
+    tracker = _check_int32("_growth_tracker", state_dict["_growth_tracker"])
+    interval = state_dict["growth_interval"]
+    if not _is_int(interval):
+        raise _bad("growth_interval", interval, "an integer")
+    try:
+        config = current.replace(
+            growth_factor=float(state_dict["growth_factor"]),
+            backoff_factor=float(state_dict["backoff_factor"]),
+            growth_interval=int(interval),
+        )
+    except ValueError as exc:
+        raise StateDictError(f"state dict holds invalid settings: {exc}") from exc
+    values = initial_values(config)._replace(scale=scale, last_scale=scale, growth_tracker=tracker)
+    return config, values
+
+
+def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
+    if not isinstance(payload, dict):
+        raise _bad("ampscale", payload, "a dict")
+    version: Any = payload.get("version")
+    if not _is_int(version) or version < 1:
+        raise _bad("ampscale.version", version, "a positive integer")
+    if version > FORMAT_VERSION:
+        raise StateDictError(
+            f"state dict has format version {version}, newer than the {FORMAT_VERSION} this "
+            "ampscale reads; upgrade ampscale to load it"
+        )
+    preset = payload.get("preset")
+    if preset not in PRESETS:
+        raise _bad("ampscale.preset", preset, f"one of {sorted(PRESETS)}")
+    settings = payload.get("settings")
+    if not isinstance(settings, dict):
+        raise _bad("ampscale.settings", settings, "a dict")
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        raise StateDictError(f"state dict has unknown setting(s) {unknown} under 'ampscale.settings'")
+    settings = dict(settings)
+    if settings.get("on_floor") == "callback":
+        settings["on_floor"] = current.on_floor if callable(current.on_floor) else "warn"
+    settings["axis_name"] = current.axis_name
+    try:
+        config = make_config(preset, **settings)
+    except (ValueError, TypeError) as exc:
+        raise StateDictError(f"state dict holds invalid settings: {exc}") from exc
+    state = payload.get("state")
+    if not isinstance(state, dict):
+        raise _bad("ampscale.state", state, "a dict")
+    defaults = initial_values(config)
+    values: dict[str, Any] = {}
+    for name, default in zip(ScalerState._fields, defaults, strict=True):
+        if name not in state:
+            if name in ("scale", "growth_tracker"):
+                raise StateDictError(f"state dict misses key 'ampscale.state.{name}'")
+            values[name] = default  # fields added in later versions keep their initial value
+            continue
+        value = state[name]
+        if name in INT_FIELDS:
+            values[name] = _check_int32(f"ampscale.state.{name}", value)
+        else:
+            values[name] = _check_scale(f"ampscale.state.{name}", value)
+    if "last_scale" not in state:
+        values["last_scale"] = values["scale"]
+    return config, ScalerState(**values)

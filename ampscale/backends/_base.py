@@ -1,0 +1,277 @@
+"""The protocol every backend adapter implements.
+
+An adapter does only what differs between frameworks: recognise its arrays, flatten trees,
+check and unscale gradients (fused), hold the state as 0-d arrays on the right device, select
+between two trees without a host branch, and agree on a flag across devices. The state machine
+itself (:mod:`ampscale._core`) is never re-implemented here.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ampscale import _tree
+from ampscale._core import INT_FIELDS, ScalerState
+from ampscale._ops import ArrayOps, HostOps
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from ampscale._config import ScalerConfig
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    """One framework's adapter. Instances are singletons obtained from the registry.
+
+    Attributes:
+        name: the backend's name (``"numpy"``, ``"torch"``, ``"jax"``, ``"cupy"``, ...).
+        host_state: whether the state lives in host memory, so the transition runs on Python
+            scalars (:class:`~ampscale._ops.HostOps`) instead of array kernels.
+        in_place: whether writable gradients are unscaled in place.
+        lazy_state: whether the state is created on the device of the first arrays seen
+            (rather than at ``create_scaler`` time), as ``torch.amp.GradScaler`` does.
+    """
+
+    name: ClassVar[str]
+    host_state: ClassVar[bool] = False
+    in_place: ClassVar[bool] = False
+    lazy_state: ClassVar[bool] = False
+
+    # -- arrays and trees -------------------------------------------------------------------
+    @abc.abstractmethod
+    def owns(self, value: Any) -> bool:
+        """Whether ``value`` is an array (or 0-d value) of this backend."""
+
+    def flatten(self, tree: Any) -> tuple[list[Any], Any]:
+        """Return the leaves of ``tree`` and a spec to rebuild it."""
+        return _tree.flatten(tree)
+
+    def unflatten(self, spec: Any, leaves: list[Any]) -> Any:
+        """Rebuild a tree from a spec returned by :meth:`flatten`."""
+        return _tree.unflatten(spec, leaves)
+
+    def leaf_paths(self, spec: Any) -> list[str]:
+        """A readable path for every leaf of a flattened tree (used only in reports)."""
+        return _tree.leaf_paths(spec)
+
+    def dtype_name(self, leaf: Any) -> str:
+        """The name of ``leaf``'s dtype, e.g. ``"float16"``."""
+        return str(getattr(leaf.dtype, "name", leaf.dtype)).replace("torch.", "")
+
+    def is_floating(self, leaf: Any) -> bool:
+        """Whether ``leaf`` has a real floating-point dtype."""
+        return self.is_floating_dtype(leaf.dtype)
+
+    @abc.abstractmethod
+    def is_floating_dtype(self, dtype: Any) -> bool:
+        """Whether ``dtype`` is a real floating-point dtype."""
+
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        """Raise ``TypeError`` unless every leaf is a floating array of this backend.
+
+        One pass over the leaves' types and one over their dtypes (sets), so that thousands of
+        leaves cost microseconds; the offending leaf is looked up only to name it in the error.
+        Nothing is modified before this check passes.
+        """
+        for kind in set(map(type, leaves)):
+            if not self.owns_type(kind):
+                index = next(i for i, leaf in enumerate(leaves) if type(leaf) is kind)
+                self._reject(leaves, spec, index, what)
+        for dtype in {leaf.dtype for leaf in leaves}:
+            if not self.is_floating_dtype(dtype):
+                index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
+                path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+                raise TypeError(
+                    f"{what} {path} has dtype {self.dtype_name(leaves[index])}; it must be "
+                    "floating point (float16, bfloat16, float32 or float64)"
+                )
+
+    def owns_type(self, kind: type) -> bool:
+        """Whether arrays of type ``kind`` belong to this backend."""
+        from ampscale.backends import backend_of_type
+
+        return backend_of_type(kind) is self
+
+    def _reject(self, leaves: Sequence[Any], spec: Any, index: int, what: str) -> None:
+        from ampscale.backends import backend_of
+
+        leaf = leaves[index]
+        path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+        kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+        other = backend_of(leaf)
+        if other is not None:
+            raise TypeError(
+                f"{what} {path} is a {other.name} array ({kind}), but this call is handled by "
+                f"the {self.name} backend (the scaler's, or that of the other arrays): one call "
+                "takes one framework's arrays; move a scaler between frameworks with "
+                "create_scaler(backend=...).load_state_dict(scaler.state_dict())"
+            )
+        raise TypeError(
+            f"{what} {path} is a {kind}, not a {self.name} array; every leaf must be a "
+            "floating-point array (None leaves are skipped)"
+        )
+
+    # -- the fused hot path -------------------------------------------------------------------
+    @abc.abstractmethod
+    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        """Check every leaf for inf/nan and multiply it by ``inv_scale`` (``None``: check only).
+
+        Returns the unscaled leaves (the same objects where they were unscaled in place) and a
+        0-d bool that is true when every element of every leaf was finite. The check is on the
+        input values, exactly, with no reduction that a finite input could overflow.
+        """
+
+    def all_finite(self, leaves: Sequence[Any]) -> Any:
+        """A 0-d bool: whether every element of every leaf is finite."""
+        return self.check_and_unscale(leaves, None)[1]
+
+    def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
+        """For each leaf, ``(nan count, +inf count, -inf count)`` (host values; a sync)."""
+        xp = self.namespace()
+        out = []
+        for leaf in leaves:
+            nan = int(xp.sum(xp.astype(xp.isnan(leaf), xp.int64)))
+            pos = int(xp.sum(xp.astype(leaf == float("inf"), xp.int64)))
+            neg = int(xp.sum(xp.astype(leaf == float("-inf"), xp.int64)))
+            out.append((nan, pos, neg))
+        return out
+
+    # -- state ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def namespace(self) -> Any:
+        """The array-API namespace of this backend."""
+
+    def has_float64(self, like: Any) -> bool:
+        """Whether float64 arithmetic is available on ``like``'s device."""
+        return True
+
+    def device_of(self, like: Any) -> Any:
+        """The device of an array (``None`` when it has none or ``like`` is None)."""
+        if like is None or not hasattr(like, "device"):
+            return None
+        return like.device
+
+    def make_state(
+        self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
+    ) -> ScalerState:
+        """Turn Python-scalar state ``values`` into this backend's 0-d arrays near ``like``.
+
+        ``previous`` is ``(old_state, old_values)`` on host backends, so unchanged fields can
+        keep their objects.
+        """
+        xp = self.namespace()
+        device = self.device_of(like)
+        storage = xp.float64 if config.scale_dtype == "float64" and self.has_float64(like) else xp.float32
+        return ScalerState(
+            *(
+                xp.asarray(v, dtype=xp.int32 if f in INT_FIELDS else storage, device=device)
+                for f, v in zip(ScalerState._fields, values, strict=True)
+            )
+        )
+
+    def read_state(self, state: ScalerState) -> ScalerState:
+        """The state as Python scalars (a host transfer for device backends)."""
+        return ScalerState(
+            *(int(v) if f in INT_FIELDS else float(v) for f, v in zip(ScalerState._fields, state, strict=True))
+        )
+
+    def public_state(self, state: ScalerState, config: ScalerConfig) -> ScalerState:
+        """The state as users see it (``Scaler.state``): 0-d values of this backend."""
+        return state
+
+    def ops(self, config: ScalerConfig, state: ScalerState) -> ArrayOps | HostOps:
+        """The operations :func:`~ampscale._core.transition` runs with for this state."""
+        return ArrayOps(config, self.namespace(), self.device_of(state.scale), self.has_float64(state.scale))
+
+    def state_device_matches(self, state: ScalerState, like: Any) -> bool:
+        """Whether ``state`` already lives where arrays like ``like`` live."""
+        return True
+
+    # -- small array helpers ------------------------------------------------------------
+    def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
+        """``loss * scale`` with the framework's own type promotion (scale cast to float32)."""
+        xp = self.namespace()
+        return loss * xp.astype(scale, xp.float32)
+
+    def inverse_scale(self, scale: Any) -> Any:
+        """``float32(1 / float64(scale))`` as torch computes it, on the scale's device."""
+        xp = self.namespace()
+        wide = xp.float64 if self.has_float64(scale) else xp.float32
+        return xp.astype(1 / xp.astype(scale, wide), xp.float32)
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        """Elementwise and of two 0-d bools."""
+        return self.namespace().logical_and(a, b)
+
+    def to_device_of(self, value: Any, like: Any) -> Any:
+        """Move a 0-d value to ``like``'s device (no-op for single-device backends)."""
+        return value
+
+    def as_bool(self, value: Any, like: Any = None) -> Any:
+        """A 0-d bool of this backend from a Python bool or a 0-d array."""
+        xp = self.namespace()
+        if isinstance(value, bool):
+            return xp.asarray(value, dtype=xp.bool, device=self.device_of(like))
+        return value
+
+    def is_tracing(self, value: Any) -> bool:
+        """Whether ``value`` is a traced placeholder (under ``jax.jit`` and friends)."""
+        return False
+
+    # -- control flow and agreement --------------------------------------------------------
+    def apply_if(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        """Return ``update_fn(params, grads, opt_state)`` if ``finite``, else the inputs unchanged.
+
+        The default computes the update and selects leaf by leaf with ``where``: no host branch,
+        and on a skipped step the returned leaves equal the inputs bitwise. ``update_fn`` must
+        then be functional (return new arrays, not modify its inputs).
+        """
+        new_params, new_opt_state = update_fn(params, grads, opt_state)
+        return (
+            self.select_tree(finite, new_params, params),
+            self.select_tree(finite, new_opt_state, opt_state),
+        )
+
+    def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
+        """``where(condition, a, b)`` leaf by leaf over two trees of the same structure."""
+        xp = self.namespace()
+        true_leaves, spec = self.flatten(on_true)
+        false_leaves, _ = self.flatten(on_false)
+        if len(true_leaves) != len(false_leaves):
+            raise ValueError(
+                f"update_fn returned a tree with {len(true_leaves)} leaves for one with "
+                f"{len(false_leaves)}; it must keep the structure of params and opt_state"
+            )
+        picked = [
+            xp.where(condition, a, b) if self.owns(a) else (a if a is b else _differs(a, b))
+            for a, b in zip(true_leaves, false_leaves, strict=True)
+        ]
+        return self.unflatten(spec, picked)
+
+    def agree(self, finite: Any, group: Any) -> Any:
+        """Combine ``finite`` across the devices or processes of ``group`` (logical and)."""
+        if group is None:
+            return finite
+        raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={group!r}")
+
+    def __repr__(self) -> str:
+        return f"<ampscale backend {self.name!r}>"
+
+
+def _differs(a: Any, b: Any) -> Any:
+    if a == b:
+        return a
+    raise TypeError(
+        f"update_fn changed a non-array leaf from {b!r} to {a!r}; keep non-array leaves fixed or "
+        "make them arrays so a skipped step can restore them without a host branch"
+    )

@@ -1,0 +1,603 @@
+/*
+ * Fused overflow check + unscale for the NumPy backend.
+ *
+ * One pass over memory: every element is read once, its exponent bits are tested for inf/nan
+ * (exact: no sum or norm that a finite input could overflow), it is multiplied by the inverse
+ * scale in float32 (float64 for double arrays) and written back once, rounded to nearest-even.
+ * This is the arithmetic of torch's `_amp_foreach_non_finite_check_and_unscale_`: the check is
+ * on the input value, the product is formed in float32 "opmath", and a multiply by exactly 1 is
+ * skipped.
+ *
+ * The Python side (`ampscale/backends/numpy.py`) groups arrays by dtype and passes only
+ * contiguous buffers; it calls `check_and_unscale(arrays, kind, inv_scale, multiply, threads)`.
+ * The GIL is released while the kernel runs; trees larger than a threshold are split by element
+ * count across `threads` POSIX threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(_WIN32)
+#include <pthread.h>
+#define AMPSCALE_THREADS 1
+#else
+#define AMPSCALE_THREADS 0
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define AMPSCALE_X86_DISPATCH 1
+#else
+#define AMPSCALE_X86_DISPATCH 0
+#endif
+
+enum { KIND_F16 = 0, KIND_BF16 = 1, KIND_F32 = 2, KIND_F64 = 3, KIND_COUNT = 4 };
+static const Py_ssize_t kind_size[KIND_COUNT] = {2, 2, 4, 8};
+
+/* A kernel checks elements [0, n) of `data`, unscales them when `multiply`, and returns 1 if any
+ * element was inf or nan. */
+typedef int (*kernel_fn)(void *data, Py_ssize_t n, float inv_scale, int multiply);
+
+/* ---------------------------------------------------------------- scalar conversions */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float, exact for every input. Subnormal halves go through an exact int->float
+ * conversion so that no subnormal float arithmetic is needed (correct even with DAZ/FTZ set). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    float magnitude;
+    if (em >= 0x7c00u) {
+        magnitude = bits_f32((em << 13) | 0x7f800000u); /* inf or nan, payload kept */
+    } else if (em >= 0x0400u) {
+        magnitude = bits_f32((em << 13) + 0x38000000u); /* normal: rebias exponent 15 -> 127 */
+    } else {
+        magnitude = (float)em * 0x1p-24f; /* subnormal or zero: exact */
+    }
+    return bits_f32(f32_bits(magnitude) | sign);
+}
+
+/* float -> IEEE half, round to nearest even; overflow gives inf, nan stays a quiet nan. */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x = f32_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) {
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    }
+    if (ax >= 0x477ff000u) { /* >= 65520 rounds to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    }
+    if (ax < 0x38800000u) {
+        /* The result is a half subnormal or zero: adding 0.5f makes the float unit rounding
+         * land exactly on the half subnormal step 2^-24 (round to nearest even). */
+        float t = bits_f32(ax) + 0.5f;
+        return (uint16_t)(sign | (uint16_t)(f32_bits(t) - 0x3f000000u));
+    }
+    uint32_t odd = (ax >> 13) & 1u;
+    ax += 0xc8000fffu + odd; /* rebias 127 -> 15 and add the rounding bias */
+    return (uint16_t)(sign | (uint16_t)(ax >> 13));
+}
+
+static inline float bf16_to_float(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+/* Same rounding as c10::BFloat16 and ml_dtypes: nearest even, nan -> canonical quiet nan. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)(((x >> 16) & 0x8000u) | 0x7fc0u);
+    }
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* ---------------------------------------------------------------- portable kernels
+ * Written so that compilers vectorise them: the flag is an OR of comparisons, no early exit. */
+
+#define DEFINE_PORTABLE_KERNELS(SUFFIX, ATTRIBUTES)                                              \
+    ATTRIBUTES static int kernel_f32_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply) { \
+        float *x = (float *)data;                                                                \
+        uint32_t bad = 0;                                                                        \
+        if (multiply) {                                                                          \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+                float v = x[i];                                                                  \
+                bad |= (uint32_t)((f32_bits(v) & 0x7f800000u) == 0x7f800000u);                   \
+                x[i] = v * inv;                                                                  \
+            }                                                                                    \
+        } else {                                                                                 \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+                bad |= (uint32_t)((f32_bits(x[i]) & 0x7f800000u) == 0x7f800000u);                \
+            }                                                                                    \
+        }                                                                                        \
+        return bad != 0;                                                                         \
+    }                                                                                            \
+    ATTRIBUTES static int kernel_f64_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply) { \
+        double *x = (double *)data;                                                              \
+        const double inv64 = (double)inv;                                                        \
+        uint64_t bad = 0;                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                     \
+            double v = x[i];                                                                     \
+            uint64_t u;                                                                          \
+            memcpy(&u, &v, sizeof u);                                                            \
+            bad |= (uint64_t)((u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull);             \
+            if (multiply) x[i] = v * inv64;                                                      \
+        }                                                                                        \
+        return bad != 0;                                                                         \
+    }                                                                                            \
+    ATTRIBUTES static int kernel_bf16_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply) { \
+        uint16_t *x = (uint16_t *)data;                                                          \
+        uint32_t bad = 0;                                                                        \
+        if (multiply) {                                                                          \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+                uint16_t b = x[i];                                                               \
+                bad |= (uint32_t)((b & 0x7f80u) == 0x7f80u);                                     \
+                x[i] = float_to_bf16(bf16_to_float(b) * inv);                                    \
+            }                                                                                    \
+        } else {                                                                                 \
+            for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)((x[i] & 0x7f80u) == 0x7f80u);   \
+        }                                                                                        \
+        return bad != 0;                                                                         \
+    }                                                                                            \
+    ATTRIBUTES static int kernel_f16_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply) { \
+        uint16_t *x = (uint16_t *)data;                                                          \
+        uint32_t bad = 0;                                                                        \
+        if (multiply) {                                                                          \
+            for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+                uint16_t h = x[i];                                                               \
+                bad |= (uint32_t)((h & 0x7c00u) == 0x7c00u);                                     \
+                x[i] = float_to_half(half_to_float(h) * inv);                                    \
+            }                                                                                    \
+        } else {                                                                                 \
+            for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)((x[i] & 0x7c00u) == 0x7c00u);   \
+        }                                                                                        \
+        return bad != 0;                                                                         \
+    }
+
+DEFINE_PORTABLE_KERNELS(generic, )
+
+#if AMPSCALE_X86_DISPATCH
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+DEFINE_PORTABLE_KERNELS(avx2, AVX2_TARGET)
+
+/* Half precision with the F16C conversion instructions: 16 elements per iteration. */
+AVX2_TARGET static int kernel_f16_f16c(void *data, Py_ssize_t n, float inv, int multiply) {
+    uint16_t *x = (uint16_t *)data;
+    const __m128i exponent = _mm_set1_epi16(0x7c00);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m128i flags = _mm_setzero_si128();
+    Py_ssize_t i = 0;
+    if (multiply) {
+        for (; i + 16 <= n; i += 16) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(x + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(a, exponent), exponent));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(b, exponent), exponent));
+            __m256 fa = _mm256_mul_ps(_mm256_cvtph_ps(a), vinv);
+            __m256 fb = _mm256_mul_ps(_mm256_cvtph_ps(b), vinv);
+            _mm_storeu_si128((__m128i *)(x + i), _mm256_cvtps_ph(fa, _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(x + i + 8), _mm256_cvtps_ph(fb, _MM_FROUND_TO_NEAREST_INT));
+        }
+    } else {
+        for (; i + 16 <= n; i += 16) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(x + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(a, exponent), exponent));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(b, exponent), exponent));
+        }
+    }
+    int bad = !_mm_testz_si128(flags, flags);
+    if (i < n) bad |= kernel_f16_avx2(x + i, n - i, inv, multiply);
+    return bad;
+}
+
+/* float32 with explicit AVX2: 32 elements per iteration, two flag accumulators. */
+AVX2_TARGET static int kernel_f32_avx2x(void *data, Py_ssize_t n, float inv, int multiply) {
+    float *x = (float *)data;
+    const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i f0 = _mm256_setzero_si256(), f1 = _mm256_setzero_si256();
+    Py_ssize_t i = 0;
+#define AMPSCALE_F32_FLAG(v, f) \
+    f = _mm256_or_si256(f, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent))
+    if (multiply) {
+        for (; i + 32 <= n; i += 32) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+            AMPSCALE_F32_FLAG(a, f0); AMPSCALE_F32_FLAG(b, f1); AMPSCALE_F32_FLAG(c, f0); AMPSCALE_F32_FLAG(d, f1);
+            _mm256_storeu_ps(x + i, _mm256_mul_ps(a, vinv));
+            _mm256_storeu_ps(x + i + 8, _mm256_mul_ps(b, vinv));
+            _mm256_storeu_ps(x + i + 16, _mm256_mul_ps(c, vinv));
+            _mm256_storeu_ps(x + i + 24, _mm256_mul_ps(d, vinv));
+        }
+    } else {
+        for (; i + 32 <= n; i += 32) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+            AMPSCALE_F32_FLAG(a, f0); AMPSCALE_F32_FLAG(b, f1); AMPSCALE_F32_FLAG(c, f0); AMPSCALE_F32_FLAG(d, f1);
+        }
+    }
+#undef AMPSCALE_F32_FLAG
+    f0 = _mm256_or_si256(f0, f1);
+    int bad = !_mm256_testz_si256(f0, f0);
+    if (i < n) bad |= kernel_f32_avx2(x + i, n - i, inv, multiply);
+    return bad;
+}
+
+/* AVX-512: 64 float32 (or 32 float16/bfloat16, 32 float64) elements per iteration. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+
+AVX512_TARGET static int kernel_f32_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
+    float *x = (float *)data;
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __mmask16 flags = 0;
+    Py_ssize_t i = 0;
+#define AMPSCALE_FLAG(v) \
+    flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent)
+    if (multiply) {
+        for (; i + 64 <= n; i += 64) {
+            __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+            __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
+            AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(a, vinv));
+            _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(b, vinv));
+            _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(c, vinv));
+            _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(d, vinv));
+        }
+    } else {
+        for (; i + 64 <= n; i += 64) {
+            __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+            __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
+            AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
+        }
+    }
+#undef AMPSCALE_FLAG
+    int bad = flags != 0;
+    if (i < n) bad |= kernel_f32_avx2(x + i, n - i, inv, multiply);
+    return bad;
+}
+
+AVX512_TARGET static int kernel_f64_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
+    double *x = (double *)data;
+    const __m512i exponent = _mm512_set1_epi64(0x7ff0000000000000ll);
+    const __m512d vinv = _mm512_set1_pd((double)inv);
+    __mmask8 flags = 0;
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512d v[4];
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm512_loadu_pd(x + i + 8 * k);
+            flags |= _mm512_cmpeq_epi64_mask(_mm512_and_si512(_mm512_castpd_si512(v[k]), exponent), exponent);
+        }
+        if (multiply) {
+            for (int k = 0; k < 4; k++) _mm512_storeu_pd(x + i + 8 * k, _mm512_mul_pd(v[k], vinv));
+        }
+    }
+    int bad = flags != 0;
+    if (i < n) bad |= kernel_f64_avx2(x + i, n - i, inv, multiply);
+    return bad;
+}
+
+AVX512_TARGET static int kernel_f16_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
+    uint16_t *x = (uint16_t *)data;
+    const __m512i exponent = _mm512_set1_epi16(0x7c00);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __mmask32 flags = 0;
+    Py_ssize_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512i a = _mm512_loadu_si512((const void *)(x + i));
+        __m512i b = _mm512_loadu_si512((const void *)(x + i + 32));
+        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
+        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, exponent), exponent);
+        if (multiply) {
+            __m256i parts[4] = {_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1),
+                                _mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1)};
+            for (int k = 0; k < 4; k++) {
+                __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(parts[k]), vinv);
+                _mm256_storeu_si256((__m256i *)(x + i + 16 * k),
+                                    _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
+    }
+    int bad = flags != 0;
+    if (i < n) bad |= kernel_f16_f16c(x + i, n - i, inv, multiply);
+    return bad;
+}
+
+AVX512_TARGET static int kernel_bf16_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
+    uint16_t *x = (uint16_t *)data;
+    const __m512i exponent = _mm512_set1_epi16(0x7f80);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u), quiet = _mm512_set1_epi32(0x7fc00000);
+    __mmask32 flags = 0;
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i a = _mm512_loadu_si512((const void *)(x + i));
+        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
+        if (multiply) {
+            for (int k = 0; k < 2; k++) {
+                __m256i half = k ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a);
+                __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+                __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(wide), vinv));
+                /* nan -> canonical quiet nan with its sign, then round to nearest even */
+                __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, magnitude), infinity);
+                __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+                rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_and_si512(u, sign), quiet));
+                _mm256_storeu_si256((__m256i *)(x + i + 16 * k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+            }
+        }
+    }
+    int bad = flags != 0;
+    if (i < n) bad |= kernel_bf16_avx2(x + i, n - i, inv, multiply);
+    return bad;
+}
+#endif
+
+static kernel_fn kernels[KIND_COUNT] = {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic,
+                                        kernel_f64_generic};
+static const char *kernel_isa = "generic";
+
+static void select_kernels(void) {
+#if AMPSCALE_X86_DISPATCH
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+        kernels[KIND_F16] = kernel_f16_avx512;
+        kernels[KIND_BF16] = kernel_bf16_avx512;
+        kernels[KIND_F32] = kernel_f32_avx512;
+        kernels[KIND_F64] = kernel_f64_avx512;
+        kernel_isa = "avx512";
+    } else if (avx2) {
+        kernels[KIND_F16] = kernel_f16_f16c;
+        kernels[KIND_BF16] = kernel_bf16_avx2;
+        kernels[KIND_F32] = kernel_f32_avx2x;
+        kernels[KIND_F64] = kernel_f64_avx2;
+        kernel_isa = "avx2+f16c";
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------- work splitting */
+
+typedef struct {
+    char *data;
+    Py_ssize_t n;       /* elements */
+    Py_ssize_t offset;  /* elements before this span, over all spans */
+} Span;
+
+typedef struct {
+    const Span *spans;
+    Py_ssize_t count;
+    Py_ssize_t lo, hi; /* element range [lo, hi) of the concatenation */
+    Py_ssize_t itemsize;
+    kernel_fn kernel;
+    float inv;
+    int multiply;
+    int bad;
+} Work;
+
+static void run_work(Work *w) {
+    /* Find the first span that ends after lo (spans are sorted by offset). */
+    Py_ssize_t a = 0, b = w->count;
+    while (a < b) {
+        Py_ssize_t mid = a + (b - a) / 2;
+        if (w->spans[mid].offset + w->spans[mid].n <= w->lo) a = mid + 1;
+        else b = mid;
+    }
+    int bad = 0;
+    for (Py_ssize_t s = a; s < w->count; s++) {
+        const Span *span = &w->spans[s];
+        if (span->offset >= w->hi) break;
+        Py_ssize_t start = w->lo > span->offset ? w->lo - span->offset : 0;
+        Py_ssize_t end = span->offset + span->n < w->hi ? span->n : w->hi - span->offset;
+        if (end > start) {
+            bad |= w->kernel(span->data + start * w->itemsize, end - start, w->inv, w->multiply);
+        }
+    }
+    w->bad = bad;
+}
+
+#if AMPSCALE_THREADS
+static void *thread_main(void *arg) {
+    run_work((Work *)arg);
+    return NULL;
+}
+#endif
+
+#define MAX_THREADS 64
+/* Below this many elements one thread is faster than starting another. */
+#define PARALLEL_THRESHOLD ((Py_ssize_t)1 << 18)
+
+static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssize_t itemsize,
+                   kernel_fn kernel, float inv, int multiply, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (!AMPSCALE_THREADS || total < PARALLEL_THRESHOLD * 2) threads = 1;
+    Work work[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        work[t].spans = spans;
+        work[t].count = count;
+        work[t].lo = total * t / threads;
+        work[t].hi = total * (t + 1) / threads;
+        work[t].itemsize = itemsize;
+        work[t].kernel = kernel;
+        work[t].inv = inv;
+        work[t].multiply = multiply;
+        work[t].bad = 0;
+    }
+#if AMPSCALE_THREADS
+    pthread_t handles[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&handles[t], NULL, thread_main, &work[t]) == 0;
+    }
+    run_work(&work[0]);
+    int bad = work[0].bad;
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) {
+            pthread_join(handles[t], NULL);
+        } else {
+            run_work(&work[t]); /* could not start a thread: do its share here */
+        }
+        bad |= work[t].bad;
+    }
+    return bad;
+#else
+    int bad = 0;
+    for (int t = 0; t < threads; t++) {
+        run_work(&work[t]);
+        bad |= work[t].bad;
+    }
+    return bad;
+#endif
+}
+
+/* ---------------------------------------------------------------- Python entry point */
+
+PyDoc_STRVAR(check_and_unscale_doc,
+             "check_and_unscale(arrays, kind, inv_scale, multiply, threads) -> bool\n\n"
+             "Check every element of the contiguous buffers in `arrays` for inf/nan and, when\n"
+             "`multiply` is true, multiply them in place by `inv_scale` (float32 arithmetic).\n"
+             "`kind` is 0 float16, 1 bfloat16, 2 float32, 3 float64. Returns True when all\n"
+             "elements were finite.");
+
+static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *arrays;
+    int kind, multiply, threads;
+    float inv;
+    if (!PyArg_ParseTuple(args, "Oifpi", &arrays, &kind, &inv, &multiply, &threads)) {
+        return NULL;
+    }
+    if (kind < 0 || kind >= KIND_COUNT) {
+        PyErr_Format(PyExc_ValueError, "kind must be in [0, %d); got %d", KIND_COUNT, kind);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(arrays, "arrays must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer *views = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Py_buffer));
+    Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Span));
+    if (views == NULL || spans == NULL) {
+        PyMem_Free(views);
+        PyMem_Free(spans);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    const Py_ssize_t itemsize = kind_size[kind];
+    const int flags = multiply ? (PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS) : PyBUF_ANY_CONTIGUOUS;
+    Py_ssize_t acquired = 0, total = 0;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(items[i], &views[i], flags) != 0) {
+            failed = 1;
+            break;
+        }
+        acquired++;
+        if (views[i].len % itemsize != 0) {
+            PyErr_Format(PyExc_ValueError, "buffer %zd has %zd bytes, not a multiple of %zd", i,
+                         views[i].len, itemsize);
+            failed = 1;
+            break;
+        }
+        spans[i].data = (char *)views[i].buf;
+        spans[i].n = views[i].len / itemsize;
+        spans[i].offset = total;
+        total += spans[i].n;
+    }
+    int bad = 0;
+    if (!failed) {
+        /* A multiply by exactly one changes no value: skip the write, as torch does. */
+        int do_multiply = multiply && inv != 1.0f;
+        Py_BEGIN_ALLOW_THREADS
+        bad = run_all(spans, count, total, itemsize, kernels[kind], inv, do_multiply, threads);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; i < acquired; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    if (failed) return NULL;
+    return PyBool_FromLong(!bad);
+}
+
+PyDoc_STRVAR(use_isa_doc,
+             "use_isa(name) -> str\n\n"
+             "Select the kernel family: 'generic' (portable C), 'avx2', or 'best' (the fastest\n"
+             "this CPU supports). Returns the family now in use. Tests use it to cover both paths.");
+
+static PyObject *use_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (strcmp(name, "generic") == 0) {
+        kernels[KIND_F16] = kernel_f16_generic;
+        kernels[KIND_BF16] = kernel_bf16_generic;
+        kernels[KIND_F32] = kernel_f32_generic;
+        kernels[KIND_F64] = kernel_f64_generic;
+        kernel_isa = "generic";
+    } else if (strcmp(name, "best") == 0) {
+        select_kernels();
+#if AMPSCALE_X86_DISPATCH
+    } else if (strcmp(name, "avx2") == 0) {
+        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) {
+            PyErr_SetString(PyExc_ValueError, "use_isa: this CPU has no AVX2/F16C");
+            return NULL;
+        }
+        kernels[KIND_F16] = kernel_f16_f16c;
+        kernels[KIND_BF16] = kernel_bf16_avx2;
+        kernels[KIND_F32] = kernel_f32_avx2x;
+        kernels[KIND_F64] = kernel_f64_avx2;
+        kernel_isa = "avx2+f16c";
+#endif
+    } else {
+        PyErr_Format(PyExc_ValueError, "use_isa: name must be 'generic', 'avx2' or 'best'; got %R",
+                     PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    return PyUnicode_FromString(kernel_isa);
+}
+
+static PyMethodDef methods[] = {
+    {"check_and_unscale", check_and_unscale, METH_VARARGS, check_and_unscale_doc},
+    {"use_isa", use_isa, METH_VARARGS, use_isa_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "ampscale.backends._native",
+    "Fused overflow check and unscale for contiguous NumPy buffers.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    select_kernels();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "PARALLEL_THRESHOLD", (long)(PARALLEL_THRESHOLD * 2)) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_FLOAT16", KIND_F16) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_BFLOAT16", KIND_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_FLOAT32", KIND_F32) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_FLOAT64", KIND_F64) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,78 @@
+"""Generic backend for any namespace that follows the Python array API standard.
+
+Used for namespaces ampscale has no dedicated adapter for (proven with ``array_api_strict``,
+the standard's reference implementation). Only standard functions are used: the check is
+``all(isfinite(x))`` per array (exact, no sum that could overflow), the unscale is an
+out-of-place multiply in the array's own dtype, and the state is 0-d arrays on the gradients'
+device, updated by the shared transition with ``where``/``maximum``/``minimum``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ampscale.backends._base import Backend
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["ArrayApiBackend"]
+
+
+class ArrayApiBackend(Backend):
+    """Adapter for one array-API namespace ``xp``."""
+
+    name: ClassVar[str] = "array_api"
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+        self.name = getattr(xp, "__name__", "array_api")  # type: ignore[misc]
+        self._types: set[type] = set()
+
+    def owns(self, value: Any) -> bool:
+        namespace = getattr(value, "__array_namespace__", None)
+        if namespace is None:
+            return False
+        try:
+            return namespace() is self.xp
+        except Exception:
+            return False
+
+    def owns_type(self, kind: type) -> bool:
+        return kind in self._types
+
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        for leaf in leaves:  # learn this namespace's array types from one instance each
+            kind = type(leaf)
+            if kind not in self._types and self.owns(leaf):
+                self._types.add(kind)
+        super().validate(leaves, spec, what)
+
+    def is_floating_dtype(self, dtype: Any) -> bool:
+        xp = self.xp
+        if hasattr(xp, "isdtype"):
+            return bool(xp.isdtype(dtype, "real floating"))
+        return dtype in (xp.float32, xp.float64)
+
+    def namespace(self) -> Any:
+        return self.xp
+
+    def device_of(self, like: Any) -> Any:
+        if like is None:
+            return None
+        return getattr(like, "device", None)
+
+    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        xp = self.xp
+        finite = None
+        out = []
+        for leaf in leaves:
+            leaf_finite = xp.all(xp.isfinite(leaf))
+            finite = leaf_finite if finite is None else xp.logical_and(finite, leaf_finite)
+            if inv_scale is None:
+                out.append(leaf)
+            else:
+                out.append(leaf * xp.astype(inv_scale, leaf.dtype))
+        if finite is None:
+            finite = xp.asarray(True)
+        return out, finite

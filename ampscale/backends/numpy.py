@@ -1,0 +1,300 @@
+"""NumPy backend: the reference backend, fused and multi-threaded.
+
+Contiguous float16, bfloat16 (``ml_dtypes``), float32 and float64 arrays go through the native
+kernel (``_native.c``): one pass over memory per element (check the exponent bits, multiply in
+float32, write back), the GIL released, large trees split across threads. Anything else
+(strided views, read-only arrays, other float dtypes, or a build without the kernel) takes an
+exact pure-NumPy path that works block by block so each block is checked while it is in cache.
+
+The state lives in host memory as NumPy scalars; the transition runs on Python scalars.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ampscale._config import ScalerConfig
+from ampscale._core import INT_FIELDS, ScalerState
+from ampscale._errors import PerformanceWarning
+from ampscale._ops import HostOps
+from ampscale.backends._base import Backend
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+_native: Any
+try:
+    from ampscale.backends import _native
+except ImportError:  # pragma: no cover - exercised only on builds without a C compiler
+    _native = None
+
+__all__ = ["BACKEND", "NATIVE", "NumpyBackend", "kernel_isa", "num_threads"]
+
+#: Whether the fused native kernel is available (``False`` means the pure-NumPy path).
+NATIVE = _native is not None
+
+_KIND_BY_NAME = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+_kind_by_dtype: dict[Any, int | None] = {}
+
+
+def _native_kind(dtype: Any) -> int | None:
+    """The native kernel's code for ``dtype`` (cached: ``dtype.name`` is slow in NumPy)."""
+    try:
+        return _kind_by_dtype[dtype]
+    except KeyError:
+        kind = _KIND_BY_NAME.get(dtype.name) if dtype.isnative or dtype.itemsize == 1 else None
+        _kind_by_dtype[dtype] = kind
+        return kind
+
+
+_BLOCK = 1 << 16  # elements per block on the pure-NumPy path (fits in L2 with room to spare)
+_warned_no_native = False
+_inverses: dict[float, float] = {}  # float32(1 / scale), as torch computes it, per scale value
+
+
+def kernel_isa() -> str:
+    """The native kernel family in use (``"avx512"``, ``"avx2+f16c"``, ``"generic"``), or
+    ``"pure-numpy"`` when the kernel is not built."""
+    return _native.use_isa("best") if NATIVE else "pure-numpy"
+
+
+def num_threads() -> int:
+    """Threads used for large trees: ``AMPSCALE_NUM_THREADS``, else the usable cores (max 8)."""
+    value = os.environ.get("AMPSCALE_NUM_THREADS")
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise ValueError(f"AMPSCALE_NUM_THREADS must be a positive integer; got {value!r}") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def _is_floating_dtype(dtype: np.dtype) -> bool:
+    if dtype.kind == "f":
+        return True
+    # ml_dtypes types (bfloat16, float8_*) are kind 'V' with a floating finfo.
+    return dtype.kind == "V" and dtype.name.startswith(("bfloat16", "float8", "float6", "float4"))
+
+
+class NumpyBackend(Backend):
+    """The NumPy adapter."""
+
+    name: ClassVar[str] = "numpy"
+    host_state: ClassVar[bool] = True
+    in_place: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.threads = num_threads()
+
+    def owns(self, value: Any) -> bool:
+        return isinstance(value, (np.ndarray, np.generic))
+
+    def owns_type(self, kind: type) -> bool:
+        return issubclass(kind, (np.ndarray, np.generic))
+
+    def is_floating_dtype(self, dtype: Any) -> bool:
+        return _is_floating_dtype(dtype)
+
+    def namespace(self) -> Any:
+        import array_api_compat.numpy as xp
+
+        return xp
+
+    # -- hot path ---------------------------------------------------------------------------
+    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        leaves = list(leaves)
+        multiply = inv_scale is not None
+        inv = 1.0 if inv_scale is None else float(inv_scale)
+        if not NATIVE:
+            _warn_no_native()
+            return self._fallback(leaves, inv, multiply, range(len(leaves)))
+        dtypes = [leaf.dtype for leaf in leaves]
+        groups: dict[Any, list[int] | range]
+        if len(set(dtypes)) == 1:
+            groups = {dtypes[0]: range(len(leaves))}
+        else:
+            groups = {}
+            for index, dtype in enumerate(dtypes):
+                groups.setdefault(dtype, []).append(index)  # type: ignore[union-attr]
+        finite = True
+        leftovers: list[int] = []
+        for dtype, indices in groups.items():
+            kind = _native_kind(dtype)
+            if kind is None:
+                leftovers.extend(indices)
+                continue
+            arrays = leaves if len(indices) == len(leaves) else [leaves[i] for i in indices]
+            if kind == 1:  # bfloat16 exports no buffer format: hand over its bits
+                arrays = [a.view(np.uint16) if isinstance(a, np.ndarray) else a for a in arrays]
+            try:
+                finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
+            except (BufferError, ValueError, TypeError):
+                # Some arrays are strided or read-only: run the kernel on the others.
+                usable = [i for i in indices if _native_ok(leaves[i], multiply)]
+                rest = [i for i in indices if not _native_ok(leaves[i], multiply)]
+                if usable:
+                    arrays = [leaves[i].view(np.uint16) if kind == 1 else leaves[i] for i in usable]
+                    finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
+                leftovers.extend(rest)
+        if leftovers:
+            leaves, rest_finite = self._fallback(leaves, inv, multiply, leftovers)
+            finite &= bool(rest_finite)
+        return leaves, np.bool_(finite)
+
+    def _fallback(self, leaves: list[Any], inv: float, multiply: bool, indices: Any) -> tuple[list[Any], Any]:
+        """Exact pure-NumPy check and unscale, block by block."""
+        finite = True
+        for i in indices:
+            leaf, leaf_finite = _check_and_unscale_numpy(leaves[i], inv, multiply and inv != 1.0)
+            leaves[i] = leaf
+            finite &= leaf_finite
+        return leaves, np.bool_(finite)
+
+    # -- state ------------------------------------------------------------------------------
+    def make_state(
+        self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
+    ) -> ScalerState:
+        # The state lives in host memory: keep it as Python scalars, on which the transition
+        # runs several times faster than on NumPy scalars. ``Scaler.state`` exposes NumPy
+        # scalars (``public_state``).
+        return values if type(values) is ScalerState else ScalerState._make(values)
+
+    def read_state(self, state: ScalerState) -> ScalerState:
+        return state
+
+    def public_state(self, state: ScalerState, config: ScalerConfig) -> ScalerState:
+        return ScalerState._make([t(v) for v, t in zip(state, _field_types(config), strict=True)])
+
+    def ops(self, config: ScalerConfig, state: ScalerState) -> HostOps:
+        ops = config._cache.get("host")
+        if ops is None:
+            ops = config._cache["host"] = HostOps(config)
+        return ops  # type: ignore[no-any-return]
+
+    def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
+        scaled = loss * np.float32(scale)
+        if isinstance(loss, np.ndarray) and not isinstance(scaled, np.ndarray):
+            return np.asarray(scaled)  # NumPy unwraps 0-d results; keep the caller's array type
+        return scaled
+
+    def inverse_scale(self, scale: Any) -> float:
+        inverse = _inverses.get(scale)
+        if inverse is None:
+            if len(_inverses) > 1024:
+                _inverses.clear()
+            inverse = _inverses[scale] = float(np.float32(1.0 / float(scale)))
+        return inverse
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        return np.bool_(bool(a) and bool(b))
+
+    def as_bool(self, value: Any, like: Any = None) -> Any:
+        return np.bool_(bool(value))
+
+    def apply_if(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        # Host memory: the flag is already here, so a skipped step does no work at all.
+        if bool(finite):
+            return update_fn(params, grads, opt_state)
+        return params, opt_state
+
+    def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
+        out = []
+        for leaf in leaves:
+            values = np.asarray(leaf)
+            if not _is_floating_dtype(values.dtype) or values.dtype.kind != "f":
+                values = values.astype(np.float32)
+            out.append(
+                (
+                    int(np.count_nonzero(np.isnan(values))),
+                    int(np.count_nonzero(np.isposinf(values))),
+                    int(np.count_nonzero(np.isneginf(values))),
+                )
+            )
+        return out
+
+
+def _field_types(config: ScalerConfig) -> tuple[Any, ...]:
+    types = config._cache.get("numpy-types")
+    if types is None:
+        scale_type = np.float64 if config.scale_dtype == "float64" else np.float32
+        types = tuple(np.int32 if f in INT_FIELDS else scale_type for f in ScalerState._fields)
+        config._cache["numpy-types"] = types
+    return types  # type: ignore[no-any-return]
+
+
+def _native_ok(leaf: Any, multiply: bool) -> bool:
+    if not isinstance(leaf, np.ndarray):
+        return not multiply
+    flags = leaf.flags
+    return (flags.c_contiguous or flags.f_contiguous) and (flags.writeable or not multiply)
+
+
+def _check_and_unscale_numpy(leaf: Any, inv: float, multiply: bool) -> tuple[Any, bool]:
+    """One leaf on the pure-NumPy path: exact check of the input, then the float32 multiply."""
+    array = np.asarray(leaf)
+    wide = array.dtype.itemsize < 4 or array.dtype.kind != "f"  # half, bfloat16, float8
+    if array.dtype.kind == "f" and array.dtype.itemsize >= 4:
+        factor: Any = array.dtype.type(np.float32(inv))
+    else:
+        factor = np.float32(inv)
+    finite = True
+    in_place = multiply and isinstance(leaf, np.ndarray) and array.flags.writeable
+    out = array if in_place or not multiply else np.empty_like(array)
+    flat_in = array.reshape(-1) if array.flags.c_contiguous else None
+    flat_out = out.reshape(-1) if out.flags.c_contiguous else None
+    if flat_in is None or flat_out is None:
+        # Strided or transposed: NumPy's own loops handle the strides; one block.
+        values = array.astype(np.float32) if wide else array
+        finite = bool(np.isfinite(values).all())
+        if multiply:
+            result = values * factor
+            out[...] = result.astype(array.dtype) if wide else result
+    else:
+        for start in range(0, flat_in.size, _BLOCK):
+            block = flat_in[start : start + _BLOCK]
+            values = block.astype(np.float32) if wide else block
+            # max/min propagate nan and catch +inf/-inf: exact, and no sum that could overflow.
+            high, low = values.max(initial=-np.inf), values.min(initial=np.inf)
+            finite &= bool(np.isfinite(high) and np.isfinite(low)) or values.size == 0
+            if multiply:
+                target = flat_out[start : start + _BLOCK]
+                if wide:
+                    target[...] = (values * factor).astype(array.dtype)
+                else:
+                    np.multiply(values, factor, out=target)
+    if not multiply:
+        return leaf, finite
+    if isinstance(leaf, np.generic):
+        return out[()], finite
+    return out, finite
+
+
+def _warn_no_native() -> None:
+    global _warned_no_native
+    if not _warned_no_native:
+        _warned_no_native = True
+        warnings.warn(
+            "ampscale's native NumPy kernel is not built (no C compiler at install time?): the "
+            "exact pure-NumPy path is used, several times slower on large or float16 trees. "
+            "Reinstall with a C compiler available to build it.",
+            PerformanceWarning,
+            stacklevel=4,
+        )
+
+
+BACKEND = NumpyBackend()
