@@ -1,0 +1,304 @@
+"""ampscale's benchmark: check + unscale + update per step, against the memory limit and anchors.
+
+Run ``python benchmarks/run.py`` (``--help`` for options). For each backend and workload it
+prints ms per step, GB/s (bytes read + written by the in-place unscale), the ratio to **L**
+and to the best anchor installed, all measured in the same run:
+
+* **L**: the same bytes moved by one in-place multiply over one contiguous buffer with every
+  core (torch ``buf.mul_``; a NumPy multiply split over threads when torch is absent); on a GPU,
+  the device's in-place multiply (``cupy`` ``buf *= s``).
+* **W0**: one array of 1024 float32 values (the fixed per-step cost, full step);
+  **W1**: GPT-2 small's 148 parameter shapes (124.4 M float32 values); **W1h**: the same in
+  float16; **W2**: 2000 arrays of 4096 float32 values.
+* Anchors: naive NumPy (``isfinite().all()`` + multiply per array), torch's fused kernel
+  ``_amp_foreach_non_finite_check_and_unscale_``, ``torch.amp.GradScaler`` (unscale_ + step +
+  update with a no-op optimizer), jmp (jitted ``unscale`` + ``all_finite`` + ``adjust``), and a
+  per-array CuPy loop.
+
+Every step alternates between scales 16 and 1/16 so the data keeps its magnitude and never
+drifts into subnormals (which would slow every implementation down). For each workload the
+rounds of all cases (L included) are interleaved, and each case keeps its best round, so
+ratios compare numbers taken at the same moments of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import ampscale  # noqa: E402
+
+SCALES = (16.0, 1.0 / 16.0)  # exact in every dtype; alternating keeps the data's magnitude
+
+
+def gpt2_small_shapes() -> list[tuple[int, ...]]:
+    """The 148 parameter shapes of GPT-2 small (124,439,808 values)."""
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+WORKLOADS: dict[str, tuple[list[tuple[int, ...]], str]] = {
+    "W0": ([(1024,)], "float32"),
+    "W1": (gpt2_small_shapes(), "float32"),
+    "W1h": (gpt2_small_shapes(), "float16"),
+    "W2": ([(4096,)] * 2000, "float32"),
+}
+
+
+def make_arrays(workload: str, seed: int = 0) -> list[np.ndarray]:
+    shapes, dtype = WORKLOADS[workload]
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) for shape in shapes]
+
+
+def nbytes(arrays: list[Any]) -> int:
+    return sum(int(a.nbytes) for a in arrays)
+
+
+@dataclasses.dataclass
+class Case:
+    """One thing to time: a step function and what it stands for."""
+
+    backend: str
+    workload: str
+    name: str
+    step: Callable[[int], Any]
+    moved: int  # bytes read + written per step
+    anchor: bool = False
+    note: str = ""
+    device: str = "cpu"
+    limit: bool = False  # this case is L for its device
+    sync: Callable[[], None] = lambda: None
+
+
+@dataclasses.dataclass
+class Result:
+    backend: str
+    workload: str
+    name: str
+    seconds: float
+    moved: int
+    anchor: bool = False
+    note: str = ""
+    device: str = "cpu"
+    limit: bool = False
+
+    @property
+    def gbps(self) -> float:
+        return self.moved / self.seconds / 1e9
+
+
+def budget(workload: str, quick: bool) -> dict[str, int]:
+    if workload == "W0":
+        return {"steps": 300 if quick else 1000, "rounds": 5 if quick else 15}
+    if workload == "W2":
+        return {"steps": 5 if quick else 20, "rounds": 5 if quick else 11}
+    return {"steps": 2 if quick else 3, "rounds": 3 if quick else 7}
+
+
+def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
+    """Best mean seconds per step of every case, with the rounds of all cases interleaved.
+
+    Interleaving makes the machine's drift (shared CPUs, frequency changes) hit every case
+    alike, so the ratios compare numbers taken at the same moments.
+    """
+    for case in cases:  # warm-up: caches, allocators, jit compilation
+        for i in range(2):
+            case.step(i)
+        case.sync()
+    best = {id(case): float("inf") for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            gc.disable()
+            start = time.perf_counter()
+            for i in range(steps):
+                case.step(i)
+            case.sync()
+            elapsed = (time.perf_counter() - start) / steps
+            gc.enable()
+            best[id(case)] = min(best[id(case)], elapsed)
+    return [
+        Result(c.backend, c.workload, c.name, best[id(c)], c.moved, c.anchor, c.note, c.device, c.limit) for c in cases
+    ]
+
+
+# ------------------------------------------------------------------------------ the limit L
+
+
+def limit_case(workload: str) -> Case:
+    """L: an in-place multiply of one contiguous buffer of the same bytes, with every core."""
+    shapes, dtype = WORKLOADS[workload]
+    total = sum(int(np.prod(s)) for s in shapes)
+    moved = 2 * total * np.dtype(dtype).itemsize
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        buffer = torch.from_numpy(np.random.default_rng(1).standard_normal(total).astype(dtype))
+        return Case(
+            "limit",
+            workload,
+            f"L: torch mul_ ({torch.get_num_threads()} threads)",
+            lambda i: buffer.mul_(SCALES[i % 2]),
+            moved,
+            limit=True,
+        )
+    array = np.random.default_rng(1).standard_normal(total).astype(dtype)
+    threads = os.cpu_count() or 1
+    pool = ThreadPoolExecutor(threads)
+    parts = np.array_split(array, threads)
+
+    def step(i: int) -> None:
+        factor = array.dtype.type(SCALES[i % 2])
+        list(pool.map(lambda p: np.multiply(p, factor, out=p), parts))
+
+    return Case("limit", workload, f"L: numpy multiply ({threads} threads)", step, moved, limit=True)
+
+
+# ------------------------------------------------------------------------------ NumPy rows
+
+
+def numpy_cases(workload: str) -> list[Case]:
+    arrays = make_arrays(workload)
+    naive_arrays = make_arrays(workload)
+    moved = 2 * nbytes(arrays)
+    scalers = [ampscale.create_scaler(backend="numpy", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+    def ampscale_step(i: int) -> None:
+        scaler = scalers[i % 2]
+        _, finite = scaler.unscale(arrays)
+        scalers[i % 2] = scaler.update(finite)
+
+    from ampscale.backends import numpy as np_backend
+
+    note = f"native kernel ({np_backend.kernel_isa()})" if np_backend.NATIVE else "pure-NumPy path (no native kernel)"
+
+    def naive(i: int) -> None:
+        inv = np.float32(1.0 / SCALES[i % 2])  # float32 arithmetic, as torch's kernel
+        finite = all(bool(np.isfinite(a).all()) for a in naive_arrays)
+        for a in naive_arrays:
+            np.multiply(a, inv, out=a, casting="same_kind")
+        _ = finite
+
+    return [
+        Case("numpy", workload, "ampscale numpy", ampscale_step, moved, note=note),
+        Case("numpy", workload, "naive numpy", naive, moved, anchor=True),
+    ]
+
+
+# ------------------------------------------------------------------------------ registry
+
+ROW_PROVIDERS: dict[str, Callable[[str], list[Case]]] = {"numpy": numpy_cases}
+
+
+def _register_optional() -> None:
+    """Rows for the other backends live beside this file, one module each."""
+    for name in ("torch", "jax", "cupy"):
+        module_path = os.path.join(HERE, f"rows_{name}.py")
+        if os.path.exists(module_path) and importlib.util.find_spec(name) is not None:
+            spec = importlib.util.spec_from_file_location(f"rows_{name}", module_path)
+            assert spec is not None
+            assert spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            ROW_PROVIDERS[name] = module.cases
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def report(results: list[Result], as_markdown: bool) -> str:
+    header = ["backend", "workload", "implementation", "ms/step", "GB/s", "x L", "x best anchor", "note"]
+    rows = []
+    for r in results:
+        limit = next(x for x in results if x.limit and x.workload == r.workload and x.device == r.device)
+        anchors = [a for a in results if a.anchor and a.workload == r.workload and a.device == r.device]
+        best = min((a.seconds for a in anchors), default=None)
+        ratio_a = f"{best / r.seconds:.2f}" if best else "-"
+        ms = r.seconds * 1e3
+        time_text = f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.2f}"
+        name = r.name + (" (anchor)" if r.anchor else "")
+        rows.append(
+            [
+                r.backend,
+                r.workload,
+                name,
+                time_text,
+                f"{r.gbps:.1f}",
+                f"{limit.seconds / r.seconds:.2f}",
+                ratio_a if not r.limit else "-",
+                r.note,
+            ]
+        )
+    if as_markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+        lines += [fmt.format(*row) for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register_optional()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--backends", default=",".join(ROW_PROVIDERS), help="comma-separated (default: all installed: %(default)s)"
+    )
+    parser.add_argument("--workloads", default="W0,W1,W1h,W2", help="comma-separated (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (noisier)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    args = parser.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in backends if b not in ROW_PROVIDERS]
+    if unknown:
+        parser.error(f"unknown or not installed backend(s) {unknown}; available: {sorted(ROW_PROVIDERS)}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        parser.error(f"unknown workload(s) {bad}; choose from {sorted(WORKLOADS)}")
+
+    print(
+        f"# ampscale {ampscale.__version__} benchmark on {platform.machine()} {platform.processor() or ''}, "
+        f"{os.cpu_count()} cpus, python {platform.python_version()}, numpy {np.__version__}",
+        flush=True,
+    )
+    results: list[Result] = []
+    for workload in workloads:
+        cases = [limit_case(workload)]
+        for backend in backends:
+            cases += ROW_PROVIDERS[backend](workload)
+        results += measure(cases, **budget(workload, args.quick))
+        del cases
+        gc.collect()
+        print(f"  {workload} done", file=sys.stderr, flush=True)
+    print(report(results, args.markdown))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
