@@ -1,0 +1,421 @@
+"""``python -m ampscale demo``: why loss scaling exists, shown by a real fp16 training run.
+
+A two-layer MLP (32 -> 128 -> 512, tanh) learns to reproduce a teacher network of the same
+shape (so a perfect fit exists and fp32 keeps improving), with Adam and a mean-squared-error
+loss averaged over the batch and the 512 outputs. It is trained three ways:
+
+* **fp32**: every value in float32;
+* **fp16**: mixed precision without loss scaling: every activation, product and gradient is
+  rounded to float16 (products accumulate in float32, as tensor cores do), weights and the
+  optimizer stay in float32 (master weights);
+* **fp16 + ampscale**: the same, with the loss multiplied by ampscale's dynamic scale before
+  the backward pass and the gradients unscaled (and checked) after it.
+
+The gradient of a mean over B x 512 values is ``2 * residual / (B * 512)``. Once the
+residuals fall below about ``2**-8``, that is below float16's smallest step (``2**-24``,
+with values under ``2**-25`` rounding to zero): unscaled fp16 training stops learning, while
+the scaled gradients stay representable and ampscale tracks fp32. Everything is seeded and
+runs on the CPU; ``--backend`` runs the same loop with JAX, PyTorch or CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import ampscale
+
+__all__ = ["RunResult", "main", "run_demo", "train"]
+
+INPUTS, HIDDEN, OUTPUTS = 32, 128, 512
+MODES = ("fp32", "fp16", "fp16 + ampscale")
+
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def round_to_half_numpy(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32) rounded to the nearest float16 value, ties to even, kept as float32.
+
+    Equal to ``x.astype(np.float16).astype(np.float32)`` bit for bit (the tests check every
+    kind of value), with integer arithmetic that NumPy vectorises instead of NumPy's scalar
+    float16 conversion loop.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    odd = (magnitude >> np.uint32(13)) & np.uint32(1)
+    normal = ((magnitude + np.uint32(0xFFF) + odd) & np.uint32(0xFFFFE000)).view(np.float32)
+    # below 2**-14 the float16 step is 2**-24, the float32 unit of 0.5: add and subtract it
+    subnormal = (np.abs(x) + np.float32(0.5)) - np.float32(0.5)
+    out = np.where(magnitude < np.uint32(0x38800000), subnormal, normal)
+    out = np.where(magnitude >= np.uint32(0x477FF000), np.float32(np.inf), out)
+    out = np.where(magnitude > np.uint32(0x7F800000), x, out)  # nan stays nan
+    result: np.ndarray = np.copysign(out, x)
+    return result
+
+
+@dataclasses.dataclass
+class Arithmetic:
+    """The array namespace of one backend and how it rounds to float16."""
+
+    name: str
+    xp: Any
+    to_half_precision: Callable[[Any], Any]
+    asarray: Callable[[np.ndarray], Any]
+    to_float: Callable[[Any], float]
+
+
+def arithmetic_for(backend: str) -> Arithmetic:
+    """Build the :class:`Arithmetic` of ``backend`` ("numpy", "torch", "jax" or "cupy")."""
+    if backend == "numpy":
+        import array_api_compat.numpy as xp
+
+        return Arithmetic("numpy", xp, round_to_half_numpy, np.asarray, float)
+    if backend == "torch":
+        import array_api_compat.torch as xp
+        import torch
+
+        return Arithmetic(
+            "torch", xp, lambda x: x.half().float(), lambda a: torch.from_numpy(np.array(a)), lambda v: float(v)
+        )
+    if backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        return Arithmetic(
+            "jax", jnp, lambda x: x.astype(jnp.float16).astype(jnp.float32), jnp.asarray, lambda v: float(v)
+        )
+    if backend == "cupy":
+        import array_api_compat.cupy as xp
+        import cupy
+
+        return Arithmetic(
+            "cupy", xp, lambda x: x.astype(cupy.float16).astype(cupy.float32), cupy.asarray, lambda v: float(v)
+        )
+    raise ValueError(f"--backend must be one of numpy, torch, jax, cupy; got {backend!r}")
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def teacher_and_data(seed: int, samples: int = 8192) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """A teacher MLP, its inputs and outputs (small outputs: realistic residual scales)."""
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    teacher = [
+        rng.standard_normal((INPUTS, HIDDEN)).astype(f32) / f32(math.sqrt(INPUTS)),
+        (0.1 * rng.standard_normal(HIDDEN)).astype(f32),
+        rng.standard_normal((HIDDEN, OUTPUTS)).astype(f32) / f32(10 * math.sqrt(HIDDEN)),
+        (0.01 * rng.standard_normal(OUTPUTS)).astype(f32),
+    ]
+    inputs = rng.standard_normal((samples, INPUTS)).astype(f32)
+    targets = (np.tanh(inputs @ teacher[0] + teacher[1]) @ teacher[2] + teacher[3]).astype(f32)
+    return teacher, inputs, targets
+
+
+def student(teacher: list[np.ndarray], seed: int) -> list[np.ndarray]:
+    """The student starts as the teacher with 30% noise on every weight."""
+    rng = np.random.default_rng(seed + 1)
+    return [
+        (p + np.float32(0.3) * np.float32(p.std()) * rng.standard_normal(p.shape)).astype(np.float32) for p in teacher
+    ]
+
+
+def loss_and_grads(
+    ar: Arithmetic, params: list[Any], x: Any, target: Any, half: bool, scale: float
+) -> tuple[Any, list[Any]]:
+    """Forward and backward pass, every value rounded to float16 when ``half``.
+
+    Returns the (unscaled) loss and the gradients of ``scale * loss``, as float32 master
+    gradients. The gradient seed ``2 * scale * residual / n`` is rounded to float16 *after*
+    the multiplication by the scale: that is what rescues small values.
+    """
+    xp = ar.xp
+    q = ar.to_half_precision if half else (lambda v: v)
+    w1, b1, w2, b2 = (q(p) for p in params)
+    x = q(x)
+    hidden = q(xp.tanh(q(x @ w1 + b1)))
+    output = q(hidden @ w2 + b2)
+    residual = output - target
+    loss = xp.mean(residual * residual)
+    seed = q(residual * (2.0 * scale / (residual.shape[0] * residual.shape[1])))
+    grad_w2 = q(xp.matrix_transpose(hidden) @ seed)
+    grad_b2 = q(xp.sum(seed, axis=0))
+    grad_hidden = q(seed @ xp.matrix_transpose(w2))
+    grad_pre = q(grad_hidden * (1.0 - hidden * hidden))
+    grad_w1 = q(xp.matrix_transpose(x) @ grad_pre)
+    grad_b1 = q(xp.sum(grad_pre, axis=0))
+    return loss, [grad_w1, grad_b1, grad_w2, grad_b2]
+
+
+def adam(
+    xp: Any, params: list[Any], grads: list[Any], state: tuple[list[Any], list[Any], int], lr: float
+) -> tuple[list[Any], tuple[list[Any], list[Any], int]]:
+    """One functional Adam step (works for mutable and immutable arrays alike)."""
+    m, v, t = state
+    t += 1
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    m = [beta1 * mi + (1 - beta1) * g for mi, g in zip(m, grads, strict=False)]
+    v = [beta2 * vi + (1 - beta2) * g * g for vi, g in zip(v, grads, strict=False)]
+    c1, c2 = 1 - beta1**t, 1 - beta2**t
+    params = [p - lr * (mi / c1) / (xp.sqrt(vi / c2) + eps) for p, mi, vi in zip(params, m, v, strict=False)]
+    return params, (m, v, t)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run."""
+
+    mode: str
+    losses: list[float]
+    scales: list[float]
+    skipped: list[int]
+    seconds: float
+    final_scale: float | None
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-20:]
+        return float(np.mean(tail))
+
+
+def train(
+    mode: str,
+    *,
+    backend: str = "numpy",
+    steps: int = 1000,
+    batch: int = 512,
+    lr: float = 1e-3,
+    seed: int = 0,
+    preset: str = "torch",
+    init_scale: float = 2.0**32,
+    growth_interval: int = 50,
+    on_step: Callable[[int], None] = lambda step: None,
+) -> RunResult:
+    """Train the student in ``mode`` (one of :data:`MODES`) and record the loss at every step."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    ar = arithmetic_for(backend)
+    xp = ar.xp
+    teacher, inputs, targets = teacher_and_data(seed)
+    params = [ar.asarray(p) for p in student(teacher, seed)]
+    opt_state: tuple[list[Any], list[Any], int] = (
+        [xp.zeros_like(p) for p in params],
+        [xp.zeros_like(p) for p in params],
+        0,
+    )
+    half = mode != "fp32"
+    scaler = None
+    if mode == "fp16 + ampscale":
+        scaler = ampscale.create_scaler(
+            backend=backend, preset=preset, init_scale=init_scale, growth_interval=growth_interval
+        )
+    rng = np.random.default_rng(seed + 2)
+    losses, scales, skipped = [], [], []
+    start = time.perf_counter()
+    for step in range(steps):
+        index = rng.integers(0, len(inputs), batch)
+        x, target = ar.asarray(inputs[index]), ar.asarray(targets[index])
+        scale = 1.0 if scaler is None else scaler.get_scale()
+        loss, grads = loss_and_grads(ar, params, x, target, half, scale)
+        lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay
+        if scaler is None:
+            params, opt_state = adam(xp, params, grads, opt_state, lr_now)
+        else:
+            scaled_loss = scaler.scale(loss)
+
+            def update(p: Any, g: Any, s: Any, lr_now: float = lr_now) -> Any:
+                return adam(xp, p, g, s, lr_now)
+
+            params, opt_state, scaler = scaler.step(update, params, grads, opt_state, loss=scaled_loss)
+            if not bool(scaler.outcome.applied):
+                skipped.append(step)
+        losses.append(ar.to_float(loss))
+        scales.append(scale)
+        on_step(step)
+    seconds = time.perf_counter() - start
+    return RunResult(mode, losses, scales, skipped, seconds, None if scaler is None else scaler.get_scale())
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+def _plot(results: list[RunResult], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    colours = {"fp32": "#1f77b4", "fp16": "#d62728", "fp16 + ampscale": "#2ca02c"}
+    for r in results:
+        top.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", color=colours[r.mode], lw=1.4)
+    top.set_yscale("log")
+    top.set_ylabel("training loss (MSE)")
+    top.set_title("fp16 training: unscaled gradients underflow, ampscale tracks fp32")
+    top.legend()
+    top.grid(True, which="both", alpha=0.3)
+    scaled = next(r for r in results if r.mode == "fp16 + ampscale")
+    bottom.plot(scaled.scales, color=colours["fp16 + ampscale"], lw=1.4, label="loss scale")
+    if scaled.skipped:
+        bottom.scatter(
+            scaled.skipped,
+            [scaled.scales[i] for i in scaled.skipped],
+            color="#d62728",
+            marker="x",
+            zorder=3,
+            label=f"skipped step (overflow), {len(scaled.skipped)} in all",
+        )
+    bottom.set_yscale("log", base=2)
+    bottom.set_ylabel("loss scale")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    bottom.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_demo(args: argparse.Namespace) -> list[RunResult]:
+    """Run the three trainings with a progress bar, print the table, save the plot."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+    except ImportError:
+        Console = None
+
+    modes = list(MODES)
+    results: list[RunResult] = []
+    settings = {
+        "backend": args.backend,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "preset": args.preset,
+        "init_scale": args.init_scale,
+        "growth_interval": args.growth_interval,
+    }
+    header = (
+        f"ampscale demo: MLP {INPUTS}-{HIDDEN}-{OUTPUTS}, Adam, MSE over {args.batch}x{OUTPUTS} values, "
+        f"{args.steps} steps, backend {args.backend}, preset {args.preset}"
+    )
+    if Console is not None:
+        console = Console() if sys.stdout.isatty() else Console(width=110)
+        console.print(f"[bold]{header}[/bold]")
+        columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            for mode in modes:
+                task = progress.add_task(mode, total=args.steps)
+
+                def advance(_step: int, task: Any = task) -> None:
+                    progress.advance(task)
+
+                results.append(train(mode, **settings, on_step=advance))
+    else:
+        print(header)
+        for mode in modes:
+
+            def tick(step: int, mode: str = mode) -> None:
+                if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
+                    done = (step + 1) * 30 // args.steps
+                    print(f"\r{mode:<16} [{'#' * done}{'.' * (30 - done)}] {step + 1}/{args.steps}", end="", flush=True)
+
+            results.append(train(mode, **settings, on_step=tick))
+            print()
+
+    fp32 = results[0].final_loss
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r.mode,
+                f"{r.final_loss:.3g}",
+                f"{r.final_loss / fp32:.3g}x",
+                str(len(r.skipped)) if r.final_scale is not None else "-",
+                f"{r.final_scale:.6g}" if r.final_scale is not None else "-",
+                f"{r.seconds:.1f} s",
+            ]
+        )
+    columns_text = ["run", "final loss", "vs fp32", "skipped steps", "final scale", "time"]
+    if Console is not None:
+        table = Table(title="Summary (final loss: mean of the last 20 steps)")
+        for c in columns_text:
+            table.add_column(c, justify="right" if c != "run" else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    else:
+        print("Summary (final loss: mean of the last 20 steps)")
+        for row in [columns_text, *rows]:
+            print("  ".join(f"{cell:>14}" for cell in row))
+    if not args.no_plot:
+        try:
+            path = _plot(results, args.out)
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install 'ampscale[demo]')")
+        else:
+            print(f"plot saved to {os.path.abspath(path)}")
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ampscale demo",
+        description="Train the same fp16 MLP three ways (fp32, fp16, fp16 + ampscale) and compare.",
+    )
+    parser.add_argument(
+        "--backend",
+        default="numpy",
+        choices=["numpy", "torch", "jax", "cupy"],
+        help="array library to train with (default: %(default)s)",
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=512, help="batch size (default: %(default)s)")
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="Adam learning rate, cosine-decayed (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.add_argument(
+        "--preset",
+        default="torch",
+        choices=sorted(ampscale.PRESETS),
+        help="ampscale scaling policy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=2.0**32,
+        help="initial loss scale (default: 2**32, Megatron's, so the first steps overflow and "
+        "back off, as real runs do)",
+    )
+    parser.add_argument(
+        "--growth-interval",
+        type=int,
+        default=50,
+        help="finite steps between scale growths (default: %(default)s; short runs need a short one)",
+    )
+    parser.add_argument("--out", default="ampscale-demo.png", help="where to save the plot (default: %(default)s)")
+    parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.steps < 20:
+        print("--steps must be at least 20", file=sys.stderr)
+        return 2
+    run_demo(args)
+    return 0
