@@ -36,8 +36,10 @@ def rows() -> list[str]:
             hyst = "1"
         else:
             hyst = f"{c.hysteresis} ({c.hysteresis_mode})"
-        ceiling = "skip if not finite" if c.ceiling == "skip" else (
-            f"clamp to {_num(c.max_scale)}" if c.max_scale is not None else "none (may reach inf)"
+        ceiling = (
+            "skip if not finite"
+            if c.ceiling == "skip"
+            else (f"clamp to {_num(c.max_scale)}" if c.max_scale is not None else "none (may reach inf)")
         )
         if c.ceiling == "skip" and c.max_scale is not None:
             ceiling = f"skip above {_num(c.max_scale)}"

@@ -37,7 +37,8 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys) -> None:
     out = tmp_path / "demo.png"
     assert demo.main(["--steps", "40", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "fp16 + ampscale" in text and "final loss" in text
+    assert "fp16 + ampscale" in text
+    assert "final loss" in text
     assert f"plot saved to {out}" in text
     assert out.stat().st_size > 10_000
 
