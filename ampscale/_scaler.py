@@ -106,7 +106,7 @@ class Scaler:
 
     def __reduce__(self) -> tuple[Any, ...]:
         backend = None if self._backend is None else self._backend.name
-        return (_restore, (self.config, self.state_dict() if self._state is not None else None, backend))
+        return (_restore, (self.config, self.state_dict(), backend))
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -134,9 +134,10 @@ class Scaler:
             values = initial_values(self._config)
             return StepOutcome(False, -1, values.scale, values.scale, 0, 0, 0, 0)
         backend = self._require_backend()
+        host = backend.host(state)
         state = backend.public_state(state, self._config)
         applied = state.last_reason == 0
-        if backend.host_state:
+        if host:
             applied = backend.as_bool(bool(applied))
         return StepOutcome(
             applied,
@@ -264,7 +265,7 @@ class Scaler:
         config = self._config
         state = self._state_on(backend, finite)
         ops = backend.ops(config, state)
-        if backend.host_state:
+        if backend.host(state):
             values = backend.read_state(state)
             loss_ok = True if loss_finite is None else bool(loss_finite)
             new_values, floor_event = transition(config, values, bool(finite), loss_ok, ops)
@@ -386,8 +387,10 @@ class Scaler:
 
         config, values = from_state_dict(state_dict, self._config)
         backend = self._backend
-        if backend is None:
-            return Scaler(config, None, None) if values == initial_values(config) else _pending(config, values)
+        if self._state is None and (backend is None or backend.lazy_state):
+            # No device yet: the state is placed by the first arrays the scaler sees.
+            return _PendingScaler(config, values, backend)
+        assert backend is not None
         like = None if self._state is None else self._state.scale
         return Scaler(config, backend.make_state(values, config, like), backend)
 
@@ -408,8 +411,8 @@ class _PendingScaler(Scaler):
     __slots__ = ("_values",)
     _values: ScalerState
 
-    def __init__(self, config: ScalerConfig, values: ScalerState) -> None:
-        super().__init__(config, None, None)
+    def __init__(self, config: ScalerConfig, values: ScalerState, backend: Backend | None = None) -> None:
+        super().__init__(config, None, backend)
         object.__setattr__(self, "_values", values)
 
     def _state_on(self, backend: Backend, like: Any) -> ScalerState:
@@ -424,7 +427,13 @@ class _PendingScaler(Scaler):
         return to_state_dict(self._config, self._values)
 
     def replace(self, **settings: Any) -> Scaler:
-        return _PendingScaler(self._config.replace(**settings), self._values)
+        return _PendingScaler(self._config.replace(**settings), self._values, self._backend)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Scaler:
+        from ampscale._state_dict import from_state_dict
+
+        config, values = from_state_dict(state_dict, self._config)
+        return _PendingScaler(config, values, self._backend)
 
     @property
     def outcome(self) -> StepOutcome:
@@ -439,10 +448,6 @@ class _PendingScaler(Scaler):
             v.loss_overflows,
             v.grad_overflows,
         )
-
-
-def _pending(config: ScalerConfig, values: ScalerState) -> Scaler:
-    return _PendingScaler(config, values)
 
 
 def _restore(config: ScalerConfig, state_dict: dict[str, Any] | None, backend: str | None) -> Scaler:

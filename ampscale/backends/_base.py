@@ -178,6 +178,10 @@ class Backend(abc.ABC):
             *(int(v) if f in INT_FIELDS else float(v) for f, v in zip(ScalerState._fields, state, strict=True))
         )
 
+    def host(self, state: ScalerState) -> bool:
+        """Whether ``state`` lives in host memory, so the transition runs on Python scalars."""
+        return self.host_state
+
     def public_state(self, state: ScalerState, config: ScalerConfig) -> ScalerState:
         """The state as users see it (``Scaler.state``): 0-d values of this backend."""
         return state

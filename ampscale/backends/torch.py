@@ -1,0 +1,385 @@
+"""PyTorch backend: torch's own fused multi-tensor kernel, state on the gradients' device.
+
+The check + unscale is ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel
+``torch.amp.GradScaler`` uses: gradients are grouped by device and dtype, checked in float32
+opmath, multiplied by the inverse scale, all in one launch per group, with no host sync. Where
+the kernel lacks a dtype (bfloat16 on CUDA in some torch releases), an exact fallback of two
+foreach launches (``isfinite`` reduced on the device, ``_foreach_mul_``) takes over; which
+path a (device type, dtype) pair uses is decided once, by trying the kernel.
+
+State: on the CPU it is kept as Python scalars (the transition runs on the host, no tensor
+kernels), exposed as 0-d CPU tensors; on an accelerator it is 0-d tensors on that device,
+updated by the shared transition as tensor operations, asynchronously.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ampscale._config import ScalerConfig, _round_to
+from ampscale._core import INT_FIELDS, ScalerState
+from ampscale._ops import ArrayOps, HostOps
+from ampscale.backends._base import Backend
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+__all__ = ["BACKEND", "TorchBackend"]
+
+# (device, dtype) -> whether torch's fused kernel supports it (learned on first use)
+_fused_support: dict[tuple[torch.device, torch.dtype], bool] = {}
+_DTYPE = operator.attrgetter("dtype")
+_GET_DEVICE = torch.Tensor.get_device
+_scratch = threading.local()
+_inverses: dict[float, float] = {}
+
+
+class _no_grad:
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.previous)
+
+
+class UncoalescedSparseError(ValueError):
+    """A float16 sparse gradient must be coalesced before it is unscaled."""
+
+
+def _is_cpu(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+
+
+class TorchBackend(Backend):
+    """The PyTorch adapter."""
+
+    name: ClassVar[str] = "torch"
+    in_place: ClassVar[bool] = True
+    lazy_state: ClassVar[bool] = True  # created on the device of the first tensors, as torch does
+
+    def __init__(self) -> None:
+        self._constants: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+    # -- arrays ----------------------------------------------------------------------------
+    def owns(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def owns_type(self, kind: type) -> bool:
+        return issubclass(kind, torch.Tensor)
+
+    def is_floating_dtype(self, dtype: Any) -> bool:
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+    def namespace(self) -> Any:
+        import array_api_compat.torch as xp
+
+        return xp
+
+    def has_float64(self, like: Any) -> bool:
+        return not isinstance(like, torch.Tensor) or like.device.type != "mps"
+
+    def device_of(self, like: Any) -> Any:
+        return like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
+
+    def constant(self, value: float, device: torch.device) -> torch.Tensor:
+        """A cached 0-d float32 tensor (scales and inverse scales repeat from step to step)."""
+        key = (value, device)  # torch.device hashes fast enough; values are Python floats
+        tensor = self._constants.get(key)
+        if tensor is None:
+            if len(self._constants) > 256:
+                self._constants.clear()
+            tensor = self._constants[key] = torch.full((), value, dtype=torch.float32, device=device)
+        return tensor
+
+    # -- the fused hot path -----------------------------------------------------------------
+    def found_inf_and_unscale(
+        self, leaves: Sequence[torch.Tensor], inv_scale: Any, scratch: bool = False
+    ) -> dict[torch.device, torch.Tensor]:
+        """Check and unscale in place; return a float32 ``found_inf`` (0 or 1) per device.
+
+        ``inv_scale`` is a 0-d float32 tensor, a Python float, or ``None`` (check only).
+        Sparse gradients are checked and unscaled through their values (float16 ones must be
+        coalesced first, since duplicates may overflow when summed; ``GradScaler`` does it).
+        With ``scratch`` the flag tensors are reused per thread (the caller consumes them
+        before the next call).
+        """
+        validated = getattr(_scratch, "validated", None)
+        _scratch.validated = None
+        if validated is not None and validated[0] is leaves:
+            dtypes = validated[1]  # computed by validate() for this very list
+        else:
+            dtypes = set(map(_DTYPE, leaves))
+        leaves = list(leaves)
+        if len(dtypes) == 1 and len(set(map(_GET_DEVICE, leaves))) == 1:
+            # The common case, one launch: every gradient on one device with one dtype.
+            device, dtype = leaves[0].device, leaves[0].dtype
+            found_inf = self._found_inf(device, scratch)
+            try:
+                with _no_grad():
+                    self._check_and_unscale_group(leaves, found_inf, self._inverse_on(inv_scale, device), device, dtype)
+                return {device: found_inf}
+            except NotImplementedError:
+                # sparse gradients: the dispatcher refused the whole call, nothing was touched
+                if not any(leaf.is_sparse for leaf in leaves):
+                    raise
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for leaf in leaves:
+            if leaf.is_sparse:
+                if leaf.dtype == torch.float16 and not leaf.is_coalesced():
+                    raise UncoalescedSparseError(
+                        "float16 sparse gradients must be coalesced before unscaling (duplicates may "
+                        "overflow when summed); call .coalesce() first (GradScaler does it for you)"
+                    )
+                leaf = leaf._values()
+            groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
+        found: dict[torch.device, torch.Tensor] = {}
+        with _no_grad():
+            for (device, dtype), grads in groups.items():
+                found_inf = found.get(device)
+                if found_inf is None:
+                    found_inf = found[device] = self._found_inf(device, scratch)
+                self._check_and_unscale_group(grads, found_inf, self._inverse_on(inv_scale, device), device, dtype)
+        return found
+
+    @staticmethod
+    def _single_group(leaves: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor] | None:
+        """``(device index, first leaf)`` when all leaves share a device and a dtype."""
+        if not leaves:
+            return None
+        validated = _scratch.__dict__.pop("validated", None)
+        dtypes = validated[1] if validated is not None and validated[0] is leaves else set(map(_DTYPE, leaves))
+        if len(dtypes) != 1:
+            return None
+        devices = set(map(_GET_DEVICE, leaves))
+        if len(devices) != 1:
+            return None
+        return devices.pop(), leaves[0]
+
+    def _found_inf(self, device: torch.device, scratch: bool) -> torch.Tensor:
+        if not scratch:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        buffers = getattr(_scratch, "buffers", None)
+        if buffers is None:
+            buffers = _scratch.buffers = {}
+        buffer = buffers.get(device)
+        if buffer is None:
+            buffer = buffers[device] = torch.zeros((), dtype=torch.float32, device=device)
+            return buffer
+        return buffer.zero_()
+
+    def _inverse_on(self, inv_scale: Any, device: torch.device) -> torch.Tensor:
+        if inv_scale is None:
+            return self.constant(1.0, device)
+        if isinstance(inv_scale, torch.Tensor):
+            return inv_scale if inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+        return self.constant(float(inv_scale), device)
+
+    def _check_and_unscale_group(
+        self,
+        grads: list[torch.Tensor],
+        found_inf: torch.Tensor,
+        inv: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        key = (device, dtype)
+        supported = _fused_support.get(key)
+        if supported is not False:
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+                _fused_support[key] = True
+                return
+            except RuntimeError as exc:
+                if supported or "not implemented" not in str(exc).lower():
+                    raise
+                _fused_support[key] = False  # e.g. bfloat16 on CUDA: nothing was touched
+        # Exact fallback, on the device: check the inputs, then multiply in float32 opmath.
+        flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
+        found_inf.add_(flags.to(torch.float32)).clamp_(max=1.0)
+        torch._foreach_mul_(grads, inv)
+
+    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        fast = self._single_group(leaves)
+        if fast is not None:
+            # One device, one dtype: a single kernel launch on a per-thread scratch flag.
+            device_index, first = fast
+            flags: dict[int, torch.Tensor] = _scratch.__dict__.setdefault("flags", {})
+            flag = flags.get(device_index)
+            if flag is None:
+                flag = flags[device_index] = torch.zeros((), dtype=torch.float32, device=first.device)
+            else:
+                flag.zero_()
+            inv = self._inverse_on(inv_scale, first.device)
+            previous = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                self._check_and_unscale_group(list(leaves), flag, inv, first.device, first.dtype)
+            except NotImplementedError:
+                if not any(leaf.is_sparse for leaf in leaves):
+                    raise
+            else:
+                return list(leaves), flag.logical_not()  # a new tensor: the scratch flag stays ours
+            finally:
+                torch._C._set_grad_enabled(previous)
+        found = self.found_inf_and_unscale(leaves, inv_scale, scratch=True)
+        if len(found) == 1:
+            (found_inf,) = found.values()
+        else:
+            first = next(iter(found.values()))
+            found_inf = sum(f.to(first.device, non_blocking=True) for f in found.values())
+        return list(leaves), found_inf.logical_not()  # a new tensor: the scratch flag stays ours
+
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        for kind in set(map(type, leaves)):
+            if not issubclass(kind, torch.Tensor):
+                self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
+        dtypes = set(map(_DTYPE, leaves))
+        # check_and_unscale, called next with this list, reuses the set (one pass, not two)
+        _scratch.validated = (leaves, dtypes)
+        for dtype in dtypes:
+            if not dtype.is_floating_point:
+                index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
+                path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+                raise TypeError(
+                    f"{what} {path} has dtype {self.dtype_name(leaves[index])}; it must be "
+                    "floating point (float16, bfloat16, float32 or float64)"
+                )
+
+    def all_finite(self, leaves: Sequence[Any]) -> Any:
+        return self.check_and_unscale(leaves, None)[1]
+
+    # -- state ------------------------------------------------------------------------------
+    def host(self, state: ScalerState) -> bool:
+        """Whether ``state`` is kept on the host (Python scalars) rather than device tensors."""
+        return not isinstance(state.scale, torch.Tensor)
+
+    def make_state(
+        self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
+    ) -> ScalerState:
+        if _is_cpu(like):
+            return values if type(values) is ScalerState else ScalerState._make(values)
+        return super().make_state(values, config, like, previous)
+
+    def read_state(self, state: ScalerState) -> ScalerState:
+        if self.host(state):
+            return state
+        return super().read_state(state)
+
+    def public_state(self, state: ScalerState, config: ScalerConfig) -> ScalerState:
+        if not self.host(state):
+            return state
+        scale_dtype = torch.float64 if config.scale_dtype == "float64" else torch.float32
+        return ScalerState(
+            *(
+                torch.tensor(v, dtype=torch.int32 if f in INT_FIELDS else scale_dtype)
+                for f, v in zip(ScalerState._fields, state, strict=True)
+            )
+        )
+
+    def ops(self, config: ScalerConfig, state: ScalerState) -> ArrayOps | HostOps:
+        if self.host(state):
+            ops = config._cache.get("host")
+            if ops is None:
+                ops = config._cache["host"] = HostOps(config)
+            return ops  # type: ignore[no-any-return]
+        device = state.scale.device
+        key = f"torch:{device}"
+        ops = config._cache.get(key)
+        if ops is None:
+            ops = config._cache[key] = ArrayOps(config, self.namespace(), device, self.has_float64(state.scale))
+        return ops  # type: ignore[no-any-return]
+
+    def state_device_matches(self, state: ScalerState, like: Any) -> bool:
+        return self.host(state) == _is_cpu(like) and (
+            self.host(state) or not isinstance(like, torch.Tensor) or like.device == state.scale.device
+        )
+
+    # -- small helpers ----------------------------------------------------------------------
+    def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
+        if not isinstance(scale, torch.Tensor):
+            scale = self.constant(float(scale), loss.device)
+        elif scale.dtype != torch.float32:
+            scale = scale.to(torch.float32)
+        # torch.amp.GradScaler: outputs * scale (a float32 0-d tensor), with torch's promotion
+        return loss * scale.to(device=loss.device, non_blocking=True)
+
+    def inverse_scale(self, scale: Any) -> Any:
+        if not isinstance(scale, torch.Tensor):
+            inverse = _inverses.get(scale)
+            if inverse is None:
+                if len(_inverses) > 1024:
+                    _inverses.clear()
+                inverse = _inverses[scale] = _round_to(1.0 / float(scale), "float32")
+            return inverse
+        # exactly torch.amp.GradScaler's: reciprocal in float64, then float32
+        if scale.device.type == "mps":
+            return scale.float().reciprocal()
+        return scale.double().reciprocal().float()
+
+    def to_device_of(self, value: Any, like: Any) -> Any:
+        if isinstance(value, torch.Tensor) and isinstance(like, torch.Tensor) and value.device != like.device:
+            return value.to(like.device, non_blocking=True)
+        return value
+
+    def logical_and(self, a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
+            b = b.to(a.device, non_blocking=True)
+        return torch.logical_and(a, b)
+
+    def as_bool(self, value: Any, like: Any = None) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.dtype == torch.bool else value.to(torch.bool)
+        return torch.tensor(bool(value), device=self.device_of(like))
+
+    def apply_if(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        if _is_cpu(finite):
+            # On the CPU the flag is host memory: no sync, and no work on a skipped step.
+            if bool(finite):
+                return update_fn(params, grads, opt_state)
+            return params, opt_state
+        return super().apply_if(finite, update_fn, params, grads, opt_state)
+
+    def agree(self, finite: Any, group: Any) -> Any:
+        if group is None or callable(group):
+            return super().agree(finite, group) if group is None else self.as_bool(group(finite), finite)
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "axis_name names a torch.distributed process group, but torch.distributed is not "
+                "initialised (call torch.distributed.init_process_group first)"
+            )
+        process_group = None if group in (True, "world", dist.group.WORLD) else group
+        found_inf = torch.logical_not(finite).to(torch.float32)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
+        return found_inf == 0
+
+    def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
+        out = []
+        for leaf in leaves:
+            values = leaf._values() if leaf.is_sparse else leaf
+            out.append(
+                (
+                    int(torch.isnan(values).sum()),
+                    int(torch.isposinf(values).sum()),
+                    int(torch.isneginf(values).sum()),
+                )
+            )
+        return out
+
+
+BACKEND = TorchBackend()

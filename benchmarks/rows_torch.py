@@ -1,0 +1,107 @@
+"""Benchmark cases for the PyTorch backend (loaded by ``benchmarks/run.py`` when torch is installed).
+
+Rows: ampscale's functional API on torch tensors, ``ampscale.torch.GradScaler`` (unscale_ +
+step + update with a no-op optimizer), and the anchors: torch's fused kernel alone,
+``torch.amp.GradScaler`` doing the same three calls, and a naive per-tensor loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from run import SCALES, WORKLOADS, Case, make_arrays, nbytes
+
+import ampscale
+import ampscale.torch as amp_torch
+
+
+class NoOpOptimizer(torch.optim.Optimizer):
+    """An optimizer whose step does nothing: the benchmark times the scaler alone."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+
+def _tensors(workload: str, seed: int = 0) -> list[torch.Tensor]:
+    return [torch.from_numpy(a) for a in make_arrays(workload, seed)]
+
+
+def _with_grads(grads: list[torch.Tensor]) -> NoOpOptimizer:
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.empty_like(g))  # never touched: no memory traffic
+        p.grad = g  # only the gradients are touched
+        params.append(p)
+    return NoOpOptimizer(params)
+
+
+def cases(workload: str) -> list[Case]:
+    out: list[Case] = []
+    dtype = WORKLOADS[workload][1]
+
+    grads = _tensors(workload)
+    moved = 2 * nbytes(grads)
+    scalers = [ampscale.create_scaler(backend="torch", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+    def functional(i: int) -> None:
+        scaler = scalers[i % 2]
+        _, finite = scaler.unscale(grads)
+        scalers[i % 2] = scaler.update(finite)
+
+    out.append(Case("torch", workload, "ampscale torch (unscale + update)", functional, moved))
+
+    drop_grads = _tensors(workload)
+    drop_opt = _with_grads(drop_grads)
+    drop_in = [amp_torch.GradScaler("cpu", init_scale=s, growth_interval=10**9) for s in SCALES]
+    for scaler in drop_in:
+        scaler.scale(torch.ones(()))  # creates the state, as the first loss would
+
+    def drop_in_step(i: int) -> None:
+        scaler = drop_in[i % 2]
+        scaler.unscale_(drop_opt)
+        scaler.step(drop_opt)
+        scaler.update()
+
+    out.append(Case("torch", workload, "ampscale.torch.GradScaler", drop_in_step, moved))
+
+    fused_grads = _tensors(workload)
+    found_inf = torch.zeros(())
+    invs = [torch.tensor(1.0 / s) for s in SCALES]
+
+    def fused(i: int) -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(fused_grads, found_inf, invs[i % 2])
+
+    out.append(Case("torch", workload, "torch fused kernel only", fused, moved, anchor=True))
+
+    if dtype != "float16":
+        torch_grads = _tensors(workload)
+        torch_opt = _with_grads(torch_grads)
+        theirs = [torch.amp.GradScaler("cpu", init_scale=s, growth_interval=10**9) for s in SCALES]
+        for scaler in theirs:
+            scaler.scale(torch.ones(()))
+
+        def torch_scaler(i: int) -> None:
+            scaler = theirs[i % 2]
+            scaler.unscale_(torch_opt)
+            scaler.step(torch_opt)
+            scaler.update()
+
+        out.append(Case("torch", workload, "torch.amp.GradScaler", torch_scaler, moved, anchor=True))
+
+    naive_grads = _tensors(workload)
+
+    def naive(i: int) -> None:
+        inv = 1.0 / SCALES[i % 2]
+        finite = all(bool(torch.isfinite(g).all()) for g in naive_grads)
+        for g in naive_grads:
+            g.mul_(inv)
+        _ = finite
+
+    out.append(Case("torch", workload, "naive torch loop", naive, moved, anchor=True))
+    if dtype == "float16":
+        out[-1].note = "torch.amp.GradScaler refuses float16 gradients"
+    return out

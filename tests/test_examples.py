@@ -1,0 +1,24 @@
+"""Every example runs (in a short smoke mode) and learns something, so none of them rots."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_mlp() -> None:
+    pytest.importorskip("torch")
+    result = load("torch_mlp").main(["--steps", "120"])
+    assert result["accuracy"] > 0.9
+    assert result["applied"] > 100

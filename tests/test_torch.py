@@ -1,0 +1,387 @@
+"""ampscale.torch.GradScaler against torch.amp.GradScaler, side by side, and what torch lacks."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ampscale  # noqa: E402
+import ampscale.torch as amp_torch  # noqa: E402
+from ampscale.backends import torch as torch_backend  # noqa: E402
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(dtype)
+
+
+def batches(n: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(32, 8, generator=g, dtype=dtype), torch.randn(32, 4, generator=g, dtype=dtype)) for _ in range(n)
+    ]
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+}
+
+
+def train_step(model, optimizer, scaler, x, y, inject: bool):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    if inject:
+        model[0].weight.grad[3, 5] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("settings", "inject_at"),
+    [
+        ({"growth_interval": 1}, {0, 1, 5}),
+        ({"growth_interval": 2}, {3, 4, 9, 17}),
+        ({"growth_interval": 3, "init_scale": 2.0**10}, {7}),
+        ({"growth_interval": 7, "growth_factor": 1.5, "backoff_factor": 0.75}, {2, 11, 12, 13}),
+        ({"growth_interval": 1, "init_scale": 2.0**125}, set()),  # growth reaches the float32 ceiling
+        ({"growth_interval": 5, "growth_factor": 1.1, "backoff_factor": 0.3}, {1, 8}),
+    ],
+)
+def test_side_by_side_with_torch_grad_scaler(optimizer: str, settings: dict, inject_at: set) -> None:
+    ours_model, torch_model = make_model(), make_model()
+    ours_opt, torch_opt = (
+        OPTIMIZERS[optimizer](ours_model.parameters()),
+        OPTIMIZERS[optimizer](torch_model.parameters()),
+    )
+    ours = amp_torch.GradScaler("cpu", **settings)
+    theirs = torch.amp.GradScaler("cpu", **settings)
+    for step, (x, y) in enumerate(batches(24)):
+        train_step(ours_model, ours_opt, ours, x, y, step in inject_at)
+        train_step(torch_model, torch_opt, theirs, x, y, step in inject_at)
+        assert ours.get_scale() == theirs.get_scale(), step
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker(), step
+        for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=False):
+            assert torch.equal(a, b), step
+        assert ours.state_dict() == theirs.state_dict()
+
+
+@pytest.mark.parametrize("direction", ["torch->ampscale", "ampscale->torch"])
+def test_state_dicts_cross_load_and_continue_identically(direction: str) -> None:
+    settings = {"growth_interval": 2, "init_scale": 2.0**12}
+    first = (
+        amp_torch.GradScaler("cpu", **settings)
+        if direction == "ampscale->torch"
+        else torch.amp.GradScaler("cpu", **settings)
+    )
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(20)
+    for step, (x, y) in enumerate(data[:7]):
+        train_step(model, opt, first, x, y, step == 3)
+    saved = first.state_dict()
+    ours = amp_torch.GradScaler("cpu")
+    theirs = torch.amp.GradScaler("cpu")
+    ours.load_state_dict(saved)
+    theirs.load_state_dict(saved)
+    m1, m2 = copy.deepcopy(model), copy.deepcopy(model)
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.05), torch.optim.SGD(m2.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(data[7:]):
+        train_step(m1, o1, ours, x, y, step == 5)
+        train_step(m2, o2, theirs, x, y, step == 5)
+        assert ours.get_scale() == theirs.get_scale()
+        assert ours.state_dict() == theirs.state_dict()
+
+
+def test_fp16_and_bf16_gradients_are_accepted() -> None:
+    for dtype in (torch.float16, torch.bfloat16):
+        model = make_model(dtype=dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = amp_torch.GradScaler("cpu", init_scale=2.0**8)
+        x, y = batches(1, dtype)[0]
+        before = [p.detach().clone() for p in model.parameters()]
+        train_step(model, opt, scaler, x, y, False)
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
+        assert all(p.grad.dtype == dtype for p in model.parameters())
+    theirs = torch.amp.GradScaler("cpu")
+    model = make_model(dtype=torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="FP16"):
+        train_step(model, opt, theirs, *batches(1, torch.float16)[0], False)
+
+
+def test_step_returns_an_outcome() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp_torch.GradScaler("cpu")
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    result = scaler.step(opt)
+    assert result.applied is True
+    assert bool(result)
+    assert result.retval is None
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    model[2].bias.grad[0] = float("nan")
+    result = scaler.step(opt)
+    assert result.applied is False
+    assert float(result.found_inf) == 1.0
+    scaler.update()
+    assert scaler.scaler.outcome.to_dict()["reason"] == "gradients"
+
+
+def test_scaled_loss_overflow_skips_the_step() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp_torch.GradScaler("cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y) + torch.tensor(float("inf"))  # not differentiated
+    scaler.scale(loss).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert scaler.step(opt).applied is False
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
+    assert scaler.get_scale() == 2.0**15
+    assert scaler.scaler.outcome.to_dict()["reason"] == "loss"
+    off = amp_torch.GradScaler("cpu", check_loss=False)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y) + torch.tensor(float("inf"))
+    off.scale(loss).backward()
+    assert off.step(opt).applied is True
+
+
+def test_multiple_optimizers_skip_independently_and_back_off_once() -> None:
+    a, b = make_model(0), make_model(1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    ours, theirs = amp_torch.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    a2, b2 = copy.deepcopy(a), copy.deepcopy(b)
+    opt_a2, opt_b2 = torch.optim.SGD(a2.parameters(), lr=0.1), torch.optim.SGD(b2.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    for scaler, ma, mb, oa, ob in ((ours, a, b, opt_a, opt_b), (theirs, a2, b2, opt_a2, opt_b2)):
+        oa.zero_grad()
+        ob.zero_grad()
+        loss = torch.nn.functional.mse_loss(ma(x), y) + torch.nn.functional.mse_loss(mb(x), y)
+        scaler.scale(loss).backward()
+        mb[0].bias.grad[1] = float("inf")
+        scaler.step(oa)
+        scaler.step(ob)
+        scaler.update()
+    assert ours.get_scale() == theirs.get_scale() == 2.0**15
+    for p, q in zip([*a.parameters(), *b.parameters()], [*a2.parameters(), *b2.parameters()], strict=False):
+        assert torch.equal(p, q)
+
+
+def test_accumulation_and_clipping_after_unscale_match_torch() -> None:
+    results = []
+    for scaler in (amp_torch.GradScaler("cpu"), torch.amp.GradScaler("cpu")):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x, y in batches(6):
+            for micro in (x[:16], x[16:]):
+                loss = torch.nn.functional.mse_loss(model(micro), y[:16]) / 2
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*results, strict=False))
+
+
+def test_sparse_gradients_match_torch() -> None:
+    results = []
+    for scaler in (amp_torch.GradScaler("cpu", growth_interval=1), torch.amp.GradScaler("cpu", growth_interval=1)):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(50, 8, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        for step in range(5):
+            idx = torch.tensor([1, 3, 3, 7, step])
+            opt.zero_grad()
+            scaler.scale(emb(idx).pow(2).sum()).backward()
+            if step == 2:
+                emb.weight.grad = emb.weight.grad.coalesce()
+                emb.weight.grad._values()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        results.append((emb.weight.detach().clone(), scaler.get_scale()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+
+
+def test_disabled_and_cuda_fallback_behave_like_torch() -> None:
+    off = amp_torch.GradScaler("cpu", enabled=False)
+    loss = torch.tensor(2.0)
+    assert off.scale(loss) is loss
+    assert off.get_scale() == 1.0
+    assert off.state_dict() == {}
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    off.unscale_(opt)
+    assert off.step(opt).applied is True
+    off.update()
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            scaler = amp_torch.GradScaler()
+        assert not scaler.is_enabled()
+
+
+def test_call_order_errors_match_torch() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    for scaler in (amp_torch.GradScaler("cpu"), torch.amp.GradScaler("cpu")):
+        with pytest.raises(AssertionError, match="_scale is None"):
+            scaler.unscale_(opt)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+            scaler.update()
+        scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="already been called"):
+            scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="Closure"):
+            scaler.step(opt, closure=lambda: None)
+        scaler.step(opt)
+        with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+            scaler.step(opt)
+        with pytest.raises(RuntimeError, match="after step"):
+            scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="pickled"):
+            pickle.dumps(scaler)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_bad_settings_raise_value_and_assertion_errors() -> None:
+    for kwargs in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"growth_interval": 0}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            amp_torch.GradScaler("cpu", **kwargs)
+        with pytest.raises(AssertionError):
+            amp_torch.GradScaler("cpu", **kwargs)
+
+
+def test_setters_getters_update_new_scale_and_pickle() -> None:
+    ours, theirs = amp_torch.GradScaler("cpu", growth_interval=3), torch.amp.GradScaler("cpu", growth_interval=3)
+    model = make_model()
+    for scaler in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for x, y in batches(2):
+            train_step(model, opt, scaler, x, y, False)
+        scaler.update(1024.0)
+        scaler.set_growth_factor(4.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(3)
+        for x, y in batches(4):
+            train_step(model, opt, scaler, x, y, False)
+    assert ours.state_dict() == theirs.state_dict()
+    assert (ours.get_growth_factor(), ours.get_backoff_factor(), ours.get_growth_interval()) == (4.0, 0.25, 3)
+    clone = pickle.loads(pickle.dumps(ours))
+    assert clone.state_dict() == ours.state_dict()
+
+
+def test_what_torch_lacks_presets_floors_hysteresis() -> None:
+    scaler = amp_torch.GradScaler("cpu", preset="megatron", init_scale=4.0, min_scale=2.0, on_floor="raise")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = batches(1)[0]
+    scales = []
+    for _ in range(2):
+        train_step(model, opt, scaler, x, y, True)
+        scales.append(scaler.get_scale())
+    assert scales == [4.0, 2.0]  # hysteresis 2 absorbs the first overflow, the second backs off
+    with pytest.raises(ampscale.ScaleAtFloorError):  # the third overflows at the floor
+        train_step(model, opt, scaler, x, y, True)
+    sd = scaler.state_dict()
+    assert sd["ampscale"]["preset"] == "megatron"
+    assert "ampscale" not in amp_torch.GradScaler("cpu").state_dict()
+
+
+def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
+    """With device-resident state (as on a GPU), a fused step and update never read a value."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    scaler = amp_torch.GradScaler("cpu", growth_interval=2)
+    x, y = batches(1)[0]
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y))  # initialise, then move state to tensors
+    config = scaler.config
+    values = torch_backend.BACKEND.read_state(scaler.scaler._state)
+    tensor_state = ampscale.backends._base.Backend.make_state(torch_backend.BACKEND, values, config, torch.empty(()))
+    scaler._scaler = ampscale.Scaler(config, tensor_state, torch_backend.BACKEND)
+    scaler._losses = []
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a tensor")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1:
+            model[0].bias.grad[0] = float("inf")
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", forbidden)
+            m.setattr(torch.Tensor, "__bool__", forbidden)
+            m.setattr(torch.Tensor, "__float__", forbidden)
+            result = scaler.step(opt)
+            scaler.update()
+        assert isinstance(result.applied, torch.Tensor)
+    assert scaler.get_scale() == 2.0**15 * 2  # one backoff, then growth after two finite steps
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
+
+
+def _distributed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amp_torch.GradScaler("cpu", process_group="world", growth_interval=2)
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    if rank == 0:
+        model[0].weight.grad[0, 0] = float("inf")  # only rank 0 overflows
+    applied = bool(scaler.step(opt).applied)
+    scaler.update()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
+    torch.save({"applied": applied, "unchanged": unchanged, "scale": scaler.get_scale()}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_distributed_ranks_agree_on_overflow() -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_distributed_worker, args=(2, init_file, tmp), nprocs=2, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+    assert [r["applied"] for r in results] == [False, False]
+    assert all(r["unchanged"] for r in results)
+    assert results[0]["scale"] == results[1]["scale"] == 2.0**15
+
+
+def test_functional_api_with_torch_tensors() -> None:
+    scaler = ampscale.create_scaler(backend="torch", growth_interval=1)
+    grads = {"w": torch.full((3,), 2.0**15, dtype=torch.float16), "b": torch.full((2,), 2.0**17)}
+    out, finite = scaler.unscale(grads, loss=scaler.scale(torch.tensor(1.0)))
+    assert out["w"] is grads["w"]
+    assert torch.equal(out["w"], torch.full((3,), 0.5, dtype=torch.float16))
+    assert bool(finite)
+    scaler = scaler.update(finite)
+    assert scaler.get_scale() == 2.0**17
+    assert isinstance(scaler.state.scale, torch.Tensor)
+    assert scaler.state.scale.dtype == torch.float32
