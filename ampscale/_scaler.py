@@ -93,10 +93,10 @@ class Scaler:
 
     __slots__ = ("_backend", "_config", "_state")
     _config: ScalerConfig
-    _state: ScalerState | None
+    _state: Any  # a ScalerState, or a backend's packed form of one (see Backend.pack)
     _backend: Backend | None
 
-    def __init__(self, config: ScalerConfig, state: ScalerState | None = None, backend: Backend | None = None):
+    def __init__(self, config: ScalerConfig, state: Any = None, backend: Backend | None = None):
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_backend", backend)
@@ -118,7 +118,7 @@ class Scaler:
     def state(self) -> ScalerState | None:
         """The dynamic state as 0-d values of the backend (``None`` until the backend is known)."""
         if self._state is None or self._backend is None:
-            return self._state
+            return None if self._state is None else ScalerState(*self._state)
         return self._backend.public_state(self._state, self._config)
 
     @property
@@ -173,8 +173,8 @@ class Scaler:
         found = backend_of_leaves(leaves, what)
         return found if found is not None else get_backend("numpy")
 
-    def _state_on(self, backend: Backend, like: Any) -> ScalerState:
-        """The state, created on ``like``'s device the first time it is needed."""
+    def _state_on(self, backend: Backend, like: Any) -> Any:
+        """The (backend-stored) state, created on ``like``'s device the first time it is needed."""
         state = self._state
         if state is None:
             return backend.make_state(initial_values(self._config), self._config, like)
@@ -194,7 +194,7 @@ class Scaler:
         backend = self._backend_for((loss,), "loss")
         backend.validate((loss,), None, "loss")
         state = self._state_on(backend, loss)
-        return backend.multiply_by_scale(loss, backend.to_device_of(state.scale, loss))
+        return backend.multiply_by_scale(loss, backend.to_device_of(backend.scale_of(state), loss))
 
     # -- the optimizer-iteration interface --------------------------------------------------
     def unscale(self, grads: Any, loss: Any = None, *, axis_name: Any = _UNSET) -> tuple[Any, Any]:
@@ -231,7 +231,7 @@ class Scaler:
             backend.validate((loss,), None, "loss")
         like = leaves[0] if leaves else loss
         state = self._state_on(backend, like)
-        inv = backend.inverse_scale(state.scale) if config.scales else None
+        inv = backend.inverse_scale(backend.scale_of(state)) if config.scales else None
         if leaves:
             new_leaves, finite = backend.check_and_unscale(leaves, inv)
         else:
@@ -273,12 +273,14 @@ class Scaler:
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))
             return Scaler(config, new_state, backend)
-        finite = backend.as_bool(finite, state.scale)
-        loss_ok = backend.as_bool(True if loss_finite is None else loss_finite, state.scale)
-        new_state, floor_event = transition(config, state, finite, loss_ok, ops)
+        fields = backend.unpack(state)
+        finite = backend.as_bool(finite, fields.scale)
+        loss_ok = backend.as_bool(True if loss_finite is None else loss_finite, fields.scale)
+        new_fields, floor_event = transition(config, fields, finite, loss_ok, ops)
+        new_state = backend.pack(new_fields)
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
-                backend.host_callback(self._react_to_floor_traced, floor_event, *new_state)  # type: ignore[attr-defined]
+                backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
         return Scaler(config, new_state, backend)
@@ -350,9 +352,9 @@ class Scaler:
     # -- host reads ---------------------------------------------------------------------------
     def get_scale(self) -> float:
         """The current scale as a Python float: an explicit host read (a sync on GPUs)."""
-        if self._state is None:
+        if self._state is None or self._backend is None:
             return self._config.initial_scale
-        return float(self._state.scale)
+        return float(self._backend.scale_of(self._state))
 
     def replace(self, **settings: Any) -> Scaler:
         """A scaler with some settings changed and the same state (settings are validated)."""
@@ -391,7 +393,7 @@ class Scaler:
             # No device yet: the state is placed by the first arrays the scaler sees.
             return _PendingScaler(config, values, backend)
         assert backend is not None
-        like = None if self._state is None else self._state.scale
+        like = None if self._state is None else backend.scale_of(self._state)
         return Scaler(config, backend.make_state(values, config, like), backend)
 
 
@@ -415,7 +417,7 @@ class _PendingScaler(Scaler):
         super().__init__(config, None, backend)
         object.__setattr__(self, "_values", values)
 
-    def _state_on(self, backend: Backend, like: Any) -> ScalerState:
+    def _state_on(self, backend: Backend, like: Any) -> Any:
         return backend.make_state(self._values, self._config, like)
 
     def get_scale(self) -> float:

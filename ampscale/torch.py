@@ -158,7 +158,7 @@ class GradScaler:
         self._scaler = Scaler(scaler.config, state, BACKEND)
 
     def _require_initialized(self, funcname: str) -> ScalerState:
-        state = self._scaler._state
+        state: ScalerState | None = self._scaler._state
         if state is None:
             raise AssertionError(
                 f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "

@@ -22,3 +22,10 @@ def test_torch_mlp() -> None:
     result = load("torch_mlp").main(["--steps", "120"])
     assert result["accuracy"] > 0.9
     assert result["applied"] > 100
+
+
+def test_jax_optax_mlp() -> None:
+    pytest.importorskip("optax")
+    result = load("jax_optax_mlp").main(["--steps", "150"])
+    assert result["accuracy"] > 0.9
+    assert result["steps"] == 150

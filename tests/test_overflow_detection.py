@@ -194,7 +194,8 @@ def test_every_half_precision_bit_pattern(isa: str, dtype: str, scale: float) ->
     finite_values = values[finite_mask].copy()
     out, finite = run_unscale(ampscale_framework(), [finite_values.copy()], scale)
     assert finite is True
-    expected = (finite_values.astype(np.float32) * np.float32(1.0 / scale)).astype(np_dtype)
+    with np.errstate(over="ignore"):  # large scales' inverses overflow float16 on purpose
+        expected = (finite_values.astype(np.float32) * np.float32(1.0 / scale)).astype(np_dtype)
     np.testing.assert_array_equal(out[0].view(np.uint16), expected.view(np.uint16))
     for bad in values[~finite_mask][::97]:
         probe = finite_values.copy()

@@ -46,7 +46,7 @@ def test_unscale_trees_of_every_shape(fw: Framework) -> None:
     }
     out, finite = scaler.unscale(tree)
     assert bool(finite)
-    assert list(out) == ["layer", "bias"]
+    assert set(out) == {"layer", "bias"}  # JAX rebuilds dicts with sorted keys
     assert out["layer"][1][1] is None
     assert isinstance(out["layer"][1], tuple)
     np.testing.assert_array_equal(fw.to_numpy(out["layer"][0]), [1.0, 2.0])

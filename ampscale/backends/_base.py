@@ -154,10 +154,8 @@ class Backend(abc.ABC):
             return None
         return like.device
 
-    def make_state(
-        self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
-    ) -> ScalerState:
-        """Turn Python-scalar state ``values`` into this backend's 0-d arrays near ``like``.
+    def make_state(self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None) -> Any:
+        """Turn Python-scalar state ``values`` into this backend's stored state near ``like``.
 
         ``previous`` is ``(old_state, old_values)`` on host backends, so unchanged fields can
         keep their objects.
@@ -177,6 +175,18 @@ class Backend(abc.ABC):
         return ScalerState(
             *(int(v) if f in INT_FIELDS else float(v) for f, v in zip(ScalerState._fields, state, strict=True))
         )
+
+    def unpack(self, state: Any) -> ScalerState:
+        """The state as named 0-d fields (backends may store it packed; default: as is)."""
+        return state  # type: ignore[no-any-return]
+
+    def pack(self, fields: ScalerState) -> Any:
+        """The inverse of :meth:`unpack`."""
+        return fields
+
+    def scale_of(self, state: Any) -> Any:
+        """The current scale, a 0-d value of this backend (or a host scalar)."""
+        return self.unpack(state).scale
 
     def host(self, state: ScalerState) -> bool:
         """Whether ``state`` lives in host memory, so the transition runs on Python scalars."""

@@ -260,9 +260,7 @@ class TorchBackend(Backend):
         """Whether ``state`` is kept on the host (Python scalars) rather than device tensors."""
         return not isinstance(state.scale, torch.Tensor)
 
-    def make_state(
-        self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
-    ) -> ScalerState:
+    def make_state(self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None) -> Any:
         if _is_cpu(like):
             return values if type(values) is ScalerState else ScalerState._make(values)
         return super().make_state(values, config, like, previous)
