@@ -42,6 +42,26 @@ def cases(workload: str) -> list[Case]:
     out: list[Case] = []
     grads = _arrays(workload)
     moved = 2 * nbytes(grads)
+    device = "cpu" if jax.default_backend() == "cpu" else "gpu"
+    if device == "gpu":  # the device's own L: a donated in-place multiply of one buffer
+        buffer = {"x": jnp.concatenate([g.reshape(-1) for g in _arrays(workload)])}
+        mul = jax.jit(lambda x, s: x * s, donate_argnums=0)
+
+        def limit(i: int) -> None:
+            buffer["x"] = mul(buffer["x"], SCALES[i % 2])
+
+        out.append(
+            Case(
+                "jax-gpu",
+                workload,
+                "L: jax donated multiply",
+                limit,
+                moved,
+                device=device,
+                limit=True,
+                sync=lambda: jax.block_until_ready(buffer["x"]),
+            )
+        )
 
     def ampscale_step(g: Any, scaler: Any) -> Any:
         g, finite = scaler.unscale(g)

@@ -104,4 +104,78 @@ def cases(workload: str) -> list[Case]:
     out.append(Case("torch", workload, "naive torch loop", naive, moved, anchor=True))
     if dtype == "float16":
         out[-1].note = "torch.amp.GradScaler refuses float16 gradients"
+    if torch.cuda.is_available():
+        out += cuda_cases(workload)
+    return out
+
+
+def cuda_cases(workload: str) -> list[Case]:
+    """The same rows on the GPU, against the device's own L (an in-place mul_ of one buffer)."""
+    dtype = WORKLOADS[workload][1]
+    sync = torch.cuda.synchronize
+    grads = [t.cuda() for t in _tensors(workload)]
+    moved = 2 * nbytes(grads)
+    buffer = torch.cat([g.reshape(-1) for g in _tensors(workload)]).cuda()
+    out = [
+        Case(
+            "torch-cuda",
+            workload,
+            "L: torch mul_ (cuda)",
+            lambda i: buffer.mul_(SCALES[i % 2]),
+            moved,
+            device="gpu",
+            limit=True,
+            sync=sync,
+        )
+    ]
+    scalers = [ampscale.create_scaler(backend="torch", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+    def functional(i: int) -> None:
+        scaler = scalers[i % 2]
+        _, finite = scaler.unscale(grads)
+        scalers[i % 2] = scaler.update(finite)
+
+    out.append(
+        Case("torch-cuda", workload, "ampscale torch (unscale + update)", functional, moved, device="gpu", sync=sync)
+    )
+    fused_grads = [t.cuda() for t in _tensors(workload)]
+    found_inf = torch.zeros((), device="cuda")
+    invs = [torch.tensor(1.0 / s, device="cuda") for s in SCALES]
+    out.append(
+        Case(
+            "torch-cuda",
+            workload,
+            "torch fused kernel only",
+            lambda i: torch._amp_foreach_non_finite_check_and_unscale_(fused_grads, found_inf, invs[i % 2]),
+            moved,
+            anchor=True,
+            device="gpu",
+            sync=sync,
+        )
+    )
+    if dtype != "float16":
+        theirs_grads = [t.cuda() for t in _tensors(workload)]
+        theirs_opt = _with_grads(theirs_grads)
+        theirs = [torch.amp.GradScaler("cuda", init_scale=s, growth_interval=10**9) for s in SCALES]
+        for scaler in theirs:
+            scaler.scale(torch.ones((), device="cuda"))
+
+        def torch_scaler(i: int) -> None:
+            scaler = theirs[i % 2]
+            scaler.unscale_(theirs_opt)
+            scaler.step(theirs_opt)
+            scaler.update()
+
+        out.append(
+            Case(
+                "torch-cuda",
+                workload,
+                "torch.amp.GradScaler",
+                torch_scaler,
+                moved,
+                anchor=True,
+                device="gpu",
+                sync=sync,
+            )
+        )
     return out

@@ -29,3 +29,21 @@ def test_jax_optax_mlp() -> None:
     result = load("jax_optax_mlp").main(["--steps", "150"])
     assert result["accuracy"] > 0.9
     assert result["steps"] == 150
+
+
+def test_cupy_mlp_logic_runs_on_numpy() -> None:
+    result = load("cupy_mlp").main(["--numpy", "--steps", "200"])
+    assert result["accuracy"] > 0.9
+    assert result["steps"] == 200
+
+
+@pytest.mark.gpu
+def test_cupy_mlp_on_the_gpu() -> None:
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception:
+        pytest.skip("no CUDA device")
+    result = load("cupy_mlp").main(["--steps", "200"])
+    assert result["accuracy"] > 0.9

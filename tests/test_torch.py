@@ -385,3 +385,23 @@ def test_functional_api_with_torch_tensors() -> None:
     assert scaler.get_scale() == 2.0**17
     assert isinstance(scaler.state.scale, torch.Tensor)
     assert scaler.state.scale.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_side_by_side_and_bf16_grads() -> None:
+    ours_model, torch_model = make_model().cuda(), make_model().cuda()
+    ours_opt = torch.optim.Adam(ours_model.parameters(), lr=1e-2, fused=True)
+    torch_opt = torch.optim.Adam(torch_model.parameters(), lr=1e-2, fused=True)
+    ours, theirs = amp_torch.GradScaler("cuda", growth_interval=2), torch.amp.GradScaler("cuda", growth_interval=2)
+    for step, (x, y) in enumerate(batches(12)):
+        train_step(ours_model, ours_opt, ours, x.cuda(), y.cuda(), step in {3, 4})
+        train_step(torch_model, torch_opt, theirs, x.cuda(), y.cuda(), step in {3, 4})
+        assert ours.get_scale() == theirs.get_scale()
+        assert all(torch.equal(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True))
+    model = make_model(dtype=torch.bfloat16).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = amp_torch.GradScaler("cuda")
+    x, y = batches(1, torch.bfloat16)[0]
+    train_step(model, opt, scaler, x.cuda(), y.cuda(), False)
+    assert scaler.get_scale() == 2.0**16

@@ -1,0 +1,64 @@
+"""The host side of the CuPy kernel that needs no GPU: dtype codes and the chunk table.
+
+Kept apart from ``ampscale.backends.cupy`` (which imports CuPy) so that it is tested on any
+machine. The table layout matches ``struct AmpscaleChunk`` in ``cupy_kernels.cu``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["CHUNK", "CHUNK_DTYPE", "KINDS", "chunk_table", "kernel_source"]
+
+#: dtype name -> the kernel's AMPSCALE_KIND_* code
+KINDS = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+#: elements per chunk (one CUDA block each): 64 Ki elements, a few hundred KB per block
+CHUNK = 1 << 16
+#: the layout of ``struct AmpscaleChunk``: 4 x 8 bytes
+CHUNK_DTYPE = np.dtype([("data", "<u8"), ("start", "<i8"), ("length", "<i8"), ("kind", "<i8")])
+
+_SOURCE = pathlib.Path(__file__).with_name("cupy_kernels.cu")
+
+
+def kernel_source() -> str:
+    """The CUDA source of the kernel (``ampscale/backends/cupy_kernels.cu``)."""
+    return _SOURCE.read_text()
+
+
+def chunk_table(addresses: Sequence[int], sizes: Sequence[int], kinds: Sequence[int], chunk: int = CHUNK) -> np.ndarray:
+    """One row per chunk of at most ``chunk`` elements, over every array, in order.
+
+    Args:
+        addresses: device address of each array's first element.
+        sizes: element count of each array (empty arrays get no chunk).
+        kinds: the ``KINDS`` code of each array.
+        chunk: the chunk length.
+
+    Raises:
+        ValueError: the three sequences differ in length, or a size or kind is invalid.
+    """
+    if not (len(addresses) == len(sizes) == len(kinds)):
+        given = f"{len(addresses)}, {len(sizes)}, {len(kinds)}"
+        raise ValueError(f"addresses, sizes and kinds must have one entry per array; got {given}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
+    sizes_a = np.asarray(sizes, dtype=np.int64)
+    kinds_a = np.asarray(kinds, dtype=np.int64)
+    if sizes_a.size and sizes_a.min() < 0:
+        raise ValueError("array sizes must be >= 0")
+    if kinds_a.size and not np.isin(kinds_a, list(KINDS.values())).all():
+        raise ValueError(f"kinds must be codes of {KINDS}; got {sorted(set(kinds_a.tolist()))}")
+    counts = (sizes_a + chunk - 1) // chunk
+    total = int(counts.sum())
+    table = np.empty(total, dtype=CHUNK_DTYPE)
+    owner = np.repeat(np.arange(len(sizes_a)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    start = (np.arange(total) - first) * chunk
+    table["data"] = np.asarray(addresses, dtype=np.uint64)[owner] if total else []
+    table["start"] = start
+    table["length"] = np.minimum(chunk, sizes_a[owner] - start) if total else []
+    table["kind"] = kinds_a[owner] if total else []
+    return table

@@ -1,0 +1,55 @@
+"""Benchmark cases for the CuPy backend on a GPU (loaded by ``benchmarks/run.py`` with cupy).
+
+Rows: ampscale's fused kernel (unscale + update), a per-array CuPy loop (``isfinite().all()`` +
+multiply per array, the anchor), and the device's own L: an in-place multiply of one buffer of
+the same bytes (``buf *= s``), all synchronised at the end of each round.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+from run import SCALES, WORKLOADS, Case, make_arrays, nbytes
+
+import ampscale
+
+
+def cases(workload: str) -> list[Case]:
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return []
+    except Exception:
+        return []
+    sync = cupy.cuda.get_current_stream().synchronize
+    dtype = WORKLOADS[workload][1]
+    grads = [cupy.asarray(a) for a in make_arrays(workload)]
+    moved = 2 * nbytes(grads)
+    total = sum(int(g.size) for g in grads)
+    buffer = cupy.asarray(np.random.default_rng(1).standard_normal(total).astype(dtype))
+    factors = [buffer.dtype.type(s) for s in SCALES]
+
+    def limit(i: int) -> None:
+        buffer.__imul__(factors[i % 2])
+
+    scalers = [ampscale.create_scaler(backend="cupy", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+    def fused(i: int) -> None:
+        scaler = scalers[i % 2]
+        _, finite = scaler.unscale(grads)
+        scalers[i % 2] = scaler.update(finite)
+
+    loop_grads = [cupy.asarray(a) for a in make_arrays(workload)]
+    invs = [cupy.float32(1.0 / s) for s in SCALES]
+
+    def per_array(i: int) -> None:
+        flags = [cupy.logical_not(cupy.isfinite(g).all()) for g in loop_grads]
+        for g in loop_grads:
+            g *= invs[i % 2]
+        _ = flags
+
+    out = [
+        Case("cupy", workload, "L: cupy in-place multiply", limit, moved, device="gpu", limit=True, sync=sync),
+        Case("cupy", workload, "ampscale cupy (one kernel)", fused, moved, device="gpu", sync=sync),
+        Case("cupy", workload, "per-array cupy loop", per_array, moved, device="gpu", anchor=True, sync=sync),
+    ]
+    return out
