@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ampscale._config import PRESETS, FloorEvent, Preset, ScalerConfig
 from ampscale._core import ScalerState
+from ampscale._diagnostics import Diagnosis, LeafReport, OverflowReport, diagnose, doctor
 from ampscale._errors import (
     AmpscaleError,
     AmpscaleWarning,
@@ -44,7 +45,10 @@ __all__ = [
     "PRESETS",
     "AmpscaleError",
     "AmpscaleWarning",
+    "Diagnosis",
     "FloorEvent",
+    "LeafReport",
+    "OverflowReport",
     "PerformanceWarning",
     "Preset",
     "ScaleAtFloorError",
@@ -58,6 +62,8 @@ __all__ = [
     "all_finite",
     "available_backends",
     "create_scaler",
+    "diagnose",
+    "doctor",
     "get_backend",
 ]
 

@@ -197,7 +197,7 @@ class Scaler:
         return backend.multiply_by_scale(loss, backend.to_device_of(backend.scale_of(state), loss))
 
     # -- the optimizer-iteration interface --------------------------------------------------
-    def unscale(self, grads: Any, loss: Any = None, *, axis_name: Any = _UNSET) -> tuple[Any, Any]:
+    def unscale(self, grads: Any, loss: Any = None, *, axis_name: Any = _UNSET, underflow: bool = False) -> Any:
         """Unscale ``grads`` and check them (and the scaled ``loss``, if given) for inf/nan.
 
         Args:
@@ -209,17 +209,23 @@ class Scaler:
             axis_name: devices or processes that must agree on the flag (a JAX axis name, a
                 ``torch.distributed`` process group, a CuPy NCCL communicator, or a callable
                 ``bool -> bool``); defaults to the scaler's ``axis_name`` setting.
+            underflow: also return the fraction of (scaled) gradient values that are zero or
+                subnormal in their dtype: a high fraction means the scale is too low. Counted in
+                the same pass as the check by the NumPy kernel; off, it costs nothing.
 
         Returns:
             ``(grads, finite)``: the unscaled tree and a 0-d bool array on the gradients' device,
-            false if the loss or any gradient held inf or nan.
+            false if the loss or any gradient held inf or nan; with ``underflow=True``,
+            ``(grads, finite, underflow_fraction)``.
         """
-        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
-        if loss_finite is None:
-            return grads, grads_finite
-        return grads, backend.logical_and(grads_finite, loss_finite)
+        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name, underflow)
+        finite = grads_finite if loss_finite is None else backend.logical_and(grads_finite, loss_finite)
+        if underflow:
+            grads, fraction = grads
+            return grads, finite, fraction
+        return grads, finite
 
-    def _unscale(self, grads: Any, loss: Any, axis_name: Any) -> tuple[Any, Any, Any, Backend]:
+    def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
         config = self._config
         backend = self._backend
         if backend is None:
@@ -232,17 +238,23 @@ class Scaler:
         like = leaves[0] if leaves else loss
         state = self._state_on(backend, like)
         inv = backend.inverse_scale(backend.scale_of(state)) if config.scales else None
-        if leaves:
-            new_leaves, finite = backend.check_and_unscale(leaves, inv)
-        else:
+        fraction = None
+        if not leaves:
             new_leaves, finite = leaves, backend.as_bool(True, like)
+        elif underflow:
+            new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
+        else:
+            new_leaves, finite = backend.check_and_unscale(leaves, inv)
         loss_finite = None if loss is None else backend.all_finite([loss])
         group = config.axis_name if axis_name is _UNSET else axis_name
         if group is not None:
             finite = backend.agree(finite, group)
             if loss_finite is not None:
                 loss_finite = backend.agree(loss_finite, group)
-        return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
+        tree = backend.unflatten(spec, new_leaves)
+        if underflow:
+            tree = (tree, 0.0 if fraction is None else fraction)
+        return tree, finite, loss_finite, backend
 
     def update(self, finite: Any, *, loss_finite: Any = None) -> Scaler:
         """Return the scaler for the next step, given whether this step was finite.
@@ -259,6 +271,9 @@ class Scaler:
         backend = self._backend
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
+        _check_flag(finite, "finite")
+        if loss_finite is not None:
+            _check_flag(loss_finite, "loss_finite")
         return self._update(backend, finite, loss_finite)
 
     def _update(self, backend: Backend, finite: Any, loss_finite: Any) -> Scaler:
@@ -356,6 +371,41 @@ class Scaler:
             return self._config.initial_scale
         return float(self._backend.scale_of(self._state))
 
+    def get_stats(self) -> dict[str, Any]:
+        """The counters as plain Python values, for logging (a host read, like ``get_scale``).
+
+        Keys: ``steps``, ``applied_steps``, ``skipped_steps``, ``skip_rate``, ``loss_overflows``,
+        ``grad_overflows``, ``growths``, ``backoffs``, ``floor_overflows`` (overflows in a row at
+        the floor), ``scale``, ``initial_scale``, ``scale_change`` (scale / initial scale),
+        ``growth_tracker``, ``hysteresis_tracker`` and ``last_step`` (``"applied"``, ``"loss"``,
+        ``"gradients"`` or ``"no step yet"``).
+        """
+        values = self._host_values()
+        steps, skipped = int(values.steps), int(values.skipped_steps)
+        initial = self._config.initial_scale
+        return {
+            "steps": steps,
+            "applied_steps": steps - skipped,
+            "skipped_steps": skipped,
+            "skip_rate": skipped / steps if steps else 0.0,
+            "loss_overflows": int(values.loss_overflows),
+            "grad_overflows": int(values.grad_overflows),
+            "growths": int(values.growths),
+            "backoffs": int(values.backoffs),
+            "floor_overflows": int(values.floor_overflows),
+            "scale": float(values.scale),
+            "initial_scale": initial,
+            "scale_change": float(values.scale) / initial if initial else float("nan"),
+            "growth_tracker": int(values.growth_tracker),
+            "hysteresis_tracker": int(values.hysteresis_tracker),
+            "last_step": REASONS[int(values.last_reason)],
+        }
+
+    def _host_values(self) -> ScalerState:
+        if self._state is None or self._backend is None:
+            return initial_values(self._config)
+        return self._backend.read_state(self._state)
+
     def replace(self, **settings: Any) -> Scaler:
         """A scaler with some settings changed and the same state (settings are validated)."""
         return Scaler(self._config.replace(**settings), self._state, self._backend)
@@ -368,12 +418,7 @@ class Scaler:
         """
         from ampscale._state_dict import to_state_dict
 
-        backend = self._backend
-        if self._state is None or backend is None:
-            values = initial_values(self._config)
-        else:
-            values = backend.read_state(self._state)
-        return to_state_dict(self._config, values)
+        return to_state_dict(self._config, self._host_values())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Scaler:
         """Return a scaler with the settings and state of ``state_dict`` (this one is unchanged).
@@ -395,6 +440,22 @@ class Scaler:
         assert backend is not None
         like = None if self._state is None else backend.scale_of(self._state)
         return Scaler(config, backend.make_state(values, config, like), backend)
+
+
+def _check_flag(flag: Any, name: str) -> None:
+    """A step flag must be a bool or a 0-d boolean array: reject anything else clearly."""
+    if isinstance(flag, bool):
+        return
+    dtype = getattr(flag, "dtype", None)
+    shape = getattr(flag, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {flag!r}")
+    if tuple(shape) != ():
+        raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
+    kind = getattr(dtype, "kind", None)
+    name_of = str(getattr(dtype, "name", dtype))
+    if kind != "b" and "bool" not in name_of:
+        raise TypeError(f"{name} must be boolean; got dtype {name_of}")
 
 
 def _probe_leaves(tree: Any) -> list[Any]:

@@ -198,8 +198,17 @@ def numpy_cases(workload: str) -> list[Case]:
             np.multiply(a, inv, out=a, casting="same_kind")
         _ = finite
 
+    counting_arrays = make_arrays(workload)
+    counting = [ampscale.create_scaler(backend="numpy", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+    def counting_step(i: int) -> None:
+        scaler = counting[i % 2]
+        _, finite, _fraction = scaler.unscale(counting_arrays, underflow=True)
+        counting[i % 2] = scaler.update(finite)
+
     return [
         Case("numpy", workload, "ampscale numpy", ampscale_step, moved, note=note),
+        Case("numpy", workload, "ampscale numpy, underflow counted", counting_step, moved, note="same pass"),
         Case("numpy", workload, "naive numpy", naive, moved, anchor=True),
     ]
 

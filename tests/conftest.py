@@ -153,3 +153,19 @@ def fw(request: pytest.FixtureRequest) -> Framework:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Report how much adversarial work the reliability tests did (for the issue notes)."""
+    import sys
+
+    module = sys.modules.get("tests.test_reliability") or sys.modules.get("test_reliability")
+    if module is None:
+        return
+    counts = module.COUNTS
+    if any(counts.values()):
+        terminalreporter.write_line(
+            "ampscale reliability: "
+            + ", ".join(f"{name}: {count}" for name, count in counts.items())
+            + " (this process; with -n each worker counts its share)"
+        )

@@ -47,7 +47,7 @@ def _runnable(block: str) -> bool:
     return all(importlib.util.find_spec(name) is not None for name in needs) and "nccl" not in block
 
 
-@pytest.mark.parametrize("page", ["getting-started.md", "index.md", "backends.md", "migration.md"])
+@pytest.mark.parametrize("page", ["getting-started.md", "index.md", "backends.md", "migration.md", "reliability.md"])
 def test_doc_pages_examples_run(page: str) -> None:
     namespace: dict = {}
     for block in python_blocks(ROOT / "docs" / page):

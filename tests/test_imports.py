@@ -35,27 +35,13 @@ def test_numpy_training_step_pulls_in_no_framework() -> None:
 def test_public_surface() -> None:
     assert sorted(ampscale.__all__) == sorted(
         [
-            "FORMAT_VERSION",
-            "PRESETS",
-            "AmpscaleError",
-            "AmpscaleWarning",
-            "FloorEvent",
-            "PerformanceWarning",
-            "Preset",
-            "ScaleAtFloorError",
-            "ScaleAtFloorWarning",
-            "Scaler",
-            "ScalerConfig",
-            "ScalerState",
-            "StateDictError",
-            "StepOutcome",
-            "__version__",
-            "all_finite",
-            "available_backends",
-            "create_scaler",
+            "FORMAT_VERSION", "PRESETS", "AmpscaleError", "AmpscaleWarning", "Diagnosis", "FloorEvent",
+            "LeafReport", "OverflowReport", "PerformanceWarning", "Preset", "ScaleAtFloorError",
+            "ScaleAtFloorWarning", "Scaler", "ScalerConfig", "ScalerState", "StateDictError", "StepOutcome",
+            "__version__", "all_finite", "available_backends", "create_scaler", "diagnose", "doctor",
             "get_backend",
         ]
-    )
+    )  # fmt: skip
     for name in ampscale.__all__:
         assert hasattr(ampscale, name), name
     assert set(ampscale.PRESETS) >= {"torch", "jmp", "flax", "keras", "megatron", "deepspeed", "apex", "paddle"}

@@ -9,6 +9,7 @@ itself (:mod:`ampscale._core`) is never re-implemented here.
 from __future__ import annotations
 
 import abc
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ampscale import _tree
@@ -127,6 +128,26 @@ class Backend(abc.ABC):
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         """A 0-d bool: whether every element of every leaf is finite."""
         return self.check_and_unscale(leaves, None)[1]
+
+    def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
+        """:meth:`check_and_unscale`, plus the fraction of input values that are zero or subnormal.
+
+        The default counts with one more reduction over the inputs, before they are unscaled
+        (backends with a fused kernel count in the same pass). Used only when underflow
+        tracking is asked for, so the common path pays nothing.
+        """
+        xp = self.namespace()
+        tiny = None
+        total = 0
+        for leaf in leaves:
+            smallest = xp.finfo(leaf.dtype).smallest_normal
+            count = xp.sum(xp.astype(xp.abs(leaf) < smallest, xp.int64))
+            tiny = count if tiny is None else tiny + count
+            total += math.prod(leaf.shape)
+        out, finite = self.check_and_unscale(leaves, inv_scale)
+        if tiny is None or total == 0:
+            return out, finite, xp.asarray(0.0, dtype=xp.float32)
+        return out, finite, xp.astype(tiny, xp.float64 if self.has_float64(leaves[0]) else xp.float32) / total
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         """For each leaf, ``(nan count, +inf count, -inf count)`` (host values; a sync)."""

@@ -167,11 +167,77 @@ static inline uint16_t float_to_bf16(float f) {
         return bad != 0;                                                                         \
     }
 
+/* Counting variants (underflow tracking): also count the elements whose exponent bits are all
+ * zero, i.e. zeros and subnormals of the input dtype. Separate functions, so that the common
+ * path pays nothing for the option. */
+typedef long long (*count_kernel_fn)(void *data, Py_ssize_t n, float inv_scale, int multiply, int *bad);
+
+#define DEFINE_COUNTING_KERNELS(SUFFIX, ATTRIBUTES)                                                   \
+    ATTRIBUTES static long long count_f32_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply, int *bad) { \
+        float *x = (float *)data;                                                                     \
+        uint32_t flags = 0;                                                                           \
+        long long tiny = 0;                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                          \
+            float v = x[i];                                                                           \
+            uint32_t e = f32_bits(v) & 0x7f800000u;                                                   \
+            flags |= (uint32_t)(e == 0x7f800000u);                                                    \
+            tiny += (e == 0);                                                                         \
+            if (multiply) x[i] = v * inv;                                                             \
+        }                                                                                             \
+        *bad = flags != 0;                                                                            \
+        return tiny;                                                                                  \
+    }                                                                                                 \
+    ATTRIBUTES static long long count_f64_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply, int *bad) { \
+        double *x = (double *)data;                                                                   \
+        const double inv64 = (double)inv;                                                             \
+        uint64_t flags = 0;                                                                           \
+        long long tiny = 0;                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                          \
+            double v = x[i];                                                                          \
+            uint64_t u;                                                                               \
+            memcpy(&u, &v, sizeof u);                                                                 \
+            uint64_t e = u & 0x7ff0000000000000ull;                                                   \
+            flags |= (uint64_t)(e == 0x7ff0000000000000ull);                                          \
+            tiny += (e == 0);                                                                         \
+            if (multiply) x[i] = v * inv64;                                                           \
+        }                                                                                             \
+        *bad = flags != 0;                                                                            \
+        return tiny;                                                                                  \
+    }                                                                                                 \
+    ATTRIBUTES static long long count_bf16_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply, int *bad) { \
+        uint16_t *x = (uint16_t *)data;                                                               \
+        uint32_t flags = 0;                                                                           \
+        long long tiny = 0;                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                          \
+            uint16_t b = x[i];                                                                        \
+            flags |= (uint32_t)((b & 0x7f80u) == 0x7f80u);                                            \
+            tiny += ((b & 0x7f80u) == 0);                                                             \
+            if (multiply) x[i] = float_to_bf16(bf16_to_float(b) * inv);                               \
+        }                                                                                             \
+        *bad = flags != 0;                                                                            \
+        return tiny;                                                                                  \
+    }                                                                                                 \
+    ATTRIBUTES static long long count_f16_##SUFFIX(void *data, Py_ssize_t n, float inv, int multiply, int *bad) { \
+        uint16_t *x = (uint16_t *)data;                                                               \
+        uint32_t flags = 0;                                                                           \
+        long long tiny = 0;                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                          \
+            uint16_t h = x[i];                                                                        \
+            flags |= (uint32_t)((h & 0x7c00u) == 0x7c00u);                                            \
+            tiny += ((h & 0x7c00u) == 0);                                                             \
+            if (multiply) x[i] = float_to_half(half_to_float(h) * inv);                               \
+        }                                                                                             \
+        *bad = flags != 0;                                                                            \
+        return tiny;                                                                                  \
+    }
+
 DEFINE_PORTABLE_KERNELS(generic, )
+DEFINE_COUNTING_KERNELS(generic, )
 
 #if AMPSCALE_X86_DISPATCH
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 DEFINE_PORTABLE_KERNELS(avx2, AVX2_TARGET)
+DEFINE_COUNTING_KERNELS(avx2, AVX2_TARGET)
 
 /* Half precision with the F16C conversion instructions: 16 elements per iteration. */
 AVX2_TARGET static int kernel_f16_f16c(void *data, Py_ssize_t n, float inv, int multiply) {
@@ -347,22 +413,103 @@ AVX512_TARGET static int kernel_bf16_avx512(void *data, Py_ssize_t n, float inv,
     if (i < n) bad |= kernel_bf16_avx2(x + i, n - i, inv, multiply);
     return bad;
 }
+
+/* AVX-512 counting variants: the main loops plus a popcount of the "exponent bits all zero"
+ * mask per vector, so underflow tracking rides the same pass at almost no cost. */
+AVX512_TARGET static long long count_f32_avx512(void *data, Py_ssize_t n, float inv, int multiply, int *bad) {
+    float *x = (float *)data;
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i counts = _mm512_setzero_si512(); /* per-lane tiny counts (n / 16 per lane fits) */
+    __mmask16 flags = 0;
+    Py_ssize_t i = 0;
+#define AMPSCALE_COUNT(v)                                                                   \
+    do {                                                                                    \
+        __m512i e_ = _mm512_and_si512(_mm512_castps_si512(v), exponent);                    \
+        flags |= _mm512_cmpeq_epi32_mask(e_, exponent);                                     \
+        counts = _mm512_mask_add_epi32(counts, _mm512_cmpeq_epi32_mask(e_, zero), counts, one); \
+    } while (0)
+    for (; i + 64 <= n; i += 64) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
+        AMPSCALE_COUNT(a); AMPSCALE_COUNT(b); AMPSCALE_COUNT(c); AMPSCALE_COUNT(d);
+        if (multiply) {
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(a, vinv));
+            _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(b, vinv));
+            _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(c, vinv));
+            _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(d, vinv));
+        }
+    }
+#undef AMPSCALE_COUNT
+    long long tiny = _mm512_reduce_add_epi32(counts);
+    int tail_bad = 0;
+    if (i < n) tiny += count_f32_avx2(x + i, n - i, inv, multiply, &tail_bad);
+    *bad = (flags != 0) | tail_bad;
+    return tiny;
+}
+
+AVX512_TARGET static long long count_f16_avx512(void *data, Py_ssize_t n, float inv, int multiply, int *bad) {
+    uint16_t *x = (uint16_t *)data;
+    const __m512i exponent = _mm512_set1_epi16(0x7c00);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i one = _mm512_set1_epi16(1);
+    __mmask32 flags = 0;
+    long long tiny = 0;
+    Py_ssize_t i = 0;
+    __m512i counts = _mm512_setzero_si512(); /* 16-bit lanes: flushed to `tiny` every 2^15 iterations */
+    Py_ssize_t since_flush = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i a = _mm512_loadu_si512((const void *)(x + i));
+        __m512i e = _mm512_and_si512(a, exponent);
+        flags |= _mm512_cmpeq_epi16_mask(e, exponent);
+        counts = _mm512_mask_add_epi16(counts, _mm512_cmpeq_epi16_mask(e, zero), counts, one);
+        if (++since_flush == 32768) {
+            tiny += _mm512_reduce_add_epi32(_mm512_madd_epi16(counts, one));
+            counts = _mm512_setzero_si512();
+            since_flush = 0;
+        }
+        if (multiply) {
+            __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(a)), vinv);
+            __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1)), vinv);
+            _mm256_storeu_si256((__m256i *)(x + i), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm256_storeu_si256((__m256i *)(x + i + 16), _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    tiny += _mm512_reduce_add_epi32(_mm512_madd_epi16(counts, one));
+    int tail_bad = 0;
+    if (i < n) tiny += count_f16_avx2(x + i, n - i, inv, multiply, &tail_bad);
+    *bad = (flags != 0) | tail_bad;
+    return tiny;
+}
 #endif
 
 static kernel_fn kernels[KIND_COUNT] = {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic,
                                         kernel_f64_generic};
 static const char *kernel_isa = "generic";
+static count_kernel_fn count_kernels[KIND_COUNT] = {count_f16_generic, count_bf16_generic, count_f32_generic,
+                                                    count_f64_generic};
 
 static void select_kernels(void) {
 #if AMPSCALE_X86_DISPATCH
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
+    if (avx2) {
+        count_kernels[KIND_F16] = count_f16_avx2;
+        count_kernels[KIND_BF16] = count_bf16_avx2;
+        count_kernels[KIND_F32] = count_f32_avx2;
+        count_kernels[KIND_F64] = count_f64_avx2;
+    }
     if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
         kernels[KIND_F16] = kernel_f16_avx512;
         kernels[KIND_BF16] = kernel_bf16_avx512;
         kernels[KIND_F32] = kernel_f32_avx512;
         kernels[KIND_F64] = kernel_f64_avx512;
+        count_kernels[KIND_F32] = count_f32_avx512;
+        count_kernels[KIND_F16] = count_f16_avx512;
         kernel_isa = "avx512";
     } else if (avx2) {
         kernels[KIND_F16] = kernel_f16_f16c;
@@ -388,9 +535,11 @@ typedef struct {
     Py_ssize_t lo, hi; /* element range [lo, hi) of the concatenation */
     Py_ssize_t itemsize;
     kernel_fn kernel;
+    count_kernel_fn counter; /* non-NULL: count tiny elements too */
     float inv;
     int multiply;
     int bad;
+    long long tiny;
 } Work;
 
 static void run_work(Work *w) {
@@ -402,16 +551,25 @@ static void run_work(Work *w) {
         else b = mid;
     }
     int bad = 0;
+    long long tiny = 0;
     for (Py_ssize_t s = a; s < w->count; s++) {
         const Span *span = &w->spans[s];
         if (span->offset >= w->hi) break;
         Py_ssize_t start = w->lo > span->offset ? w->lo - span->offset : 0;
         Py_ssize_t end = span->offset + span->n < w->hi ? span->n : w->hi - span->offset;
         if (end > start) {
-            bad |= w->kernel(span->data + start * w->itemsize, end - start, w->inv, w->multiply);
+            char *p = span->data + start * w->itemsize;
+            if (w->counter != NULL) {
+                int part = 0;
+                tiny += w->counter(p, end - start, w->inv, w->multiply, &part);
+                bad |= part;
+            } else {
+                bad |= w->kernel(p, end - start, w->inv, w->multiply);
+            }
         }
     }
     w->bad = bad;
+    w->tiny = tiny;
 }
 
 #if AMPSCALE_THREADS
@@ -426,7 +584,8 @@ static void *thread_main(void *arg) {
 #define PARALLEL_THRESHOLD ((Py_ssize_t)1 << 18)
 
 static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssize_t itemsize,
-                   kernel_fn kernel, float inv, int multiply, int threads) {
+                   kernel_fn kernel, count_kernel_fn counter, float inv, int multiply, int threads,
+                   long long *tiny_out) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (!AMPSCALE_THREADS || total < PARALLEL_THRESHOLD * 2) threads = 1;
@@ -438,6 +597,8 @@ static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssi
         work[t].hi = total * (t + 1) / threads;
         work[t].itemsize = itemsize;
         work[t].kernel = kernel;
+        work[t].counter = counter;
+        work[t].tiny = 0;
         work[t].inv = inv;
         work[t].multiply = multiply;
         work[t].bad = 0;
@@ -450,6 +611,7 @@ static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssi
     }
     run_work(&work[0]);
     int bad = work[0].bad;
+    long long tiny = work[0].tiny;
     for (int t = 1; t < threads; t++) {
         if (started[t]) {
             pthread_join(handles[t], NULL);
@@ -457,14 +619,19 @@ static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssi
             run_work(&work[t]); /* could not start a thread: do its share here */
         }
         bad |= work[t].bad;
+        tiny += work[t].tiny;
     }
+    *tiny_out = tiny;
     return bad;
 #else
     int bad = 0;
+    long long tiny = 0;
     for (int t = 0; t < threads; t++) {
         run_work(&work[t]);
         bad |= work[t].bad;
+        tiny += work[t].tiny;
     }
+    *tiny_out = tiny;
     return bad;
 #endif
 }
@@ -472,18 +639,19 @@ static int run_all(const Span *spans, Py_ssize_t count, Py_ssize_t total, Py_ssi
 /* ---------------------------------------------------------------- Python entry point */
 
 PyDoc_STRVAR(check_and_unscale_doc,
-             "check_and_unscale(arrays, kind, inv_scale, multiply, threads) -> bool\n\n"
+             "check_and_unscale(arrays, kind, inv_scale, multiply, threads, count_tiny=False)\n\n"
              "Check every element of the contiguous buffers in `arrays` for inf/nan and, when\n"
              "`multiply` is true, multiply them in place by `inv_scale` (float32 arithmetic).\n"
              "`kind` is 0 float16, 1 bfloat16, 2 float32, 3 float64. Returns True when all\n"
-             "elements were finite.");
+             "elements were finite; with `count_tiny`, returns (all_finite, n) where n counts\n"
+             "the input elements that were zero or subnormal (in the same pass).");
 
 static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *arrays;
-    int kind, multiply, threads;
+    int kind, multiply, threads, count_tiny = 0;
     float inv;
-    if (!PyArg_ParseTuple(args, "Oifpi", &arrays, &kind, &inv, &multiply, &threads)) {
+    if (!PyArg_ParseTuple(args, "Oifpi|p", &arrays, &kind, &inv, &multiply, &threads, &count_tiny)) {
         return NULL;
     }
     if (kind < 0 || kind >= KIND_COUNT) {
@@ -524,11 +692,13 @@ static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
         total += spans[i].n;
     }
     int bad = 0;
+    long long tiny = 0;
     if (!failed) {
         /* A multiply by exactly one changes no value: skip the write, as torch does. */
         int do_multiply = multiply && inv != 1.0f;
+        count_kernel_fn counter = count_tiny ? count_kernels[kind] : NULL;
         Py_BEGIN_ALLOW_THREADS
-        bad = run_all(spans, count, total, itemsize, kernels[kind], inv, do_multiply, threads);
+        bad = run_all(spans, count, total, itemsize, kernels[kind], counter, inv, do_multiply, threads, &tiny);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t i = 0; i < acquired; i++) PyBuffer_Release(&views[i]);
@@ -536,6 +706,7 @@ static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
     PyMem_Free(spans);
     Py_DECREF(seq);
     if (failed) return NULL;
+    if (count_tiny) return Py_BuildValue("(NL)", PyBool_FromLong(!bad), tiny);
     return PyBool_FromLong(!bad);
 }
 
@@ -553,6 +724,10 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
         kernels[KIND_BF16] = kernel_bf16_generic;
         kernels[KIND_F32] = kernel_f32_generic;
         kernels[KIND_F64] = kernel_f64_generic;
+        count_kernels[KIND_F16] = count_f16_generic;
+        count_kernels[KIND_BF16] = count_bf16_generic;
+        count_kernels[KIND_F32] = count_f32_generic;
+        count_kernels[KIND_F64] = count_f64_generic;
         kernel_isa = "generic";
     } else if (strcmp(name, "best") == 0) {
         select_kernels();

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from ampscale.backends._base import Backend
 
 if TYPE_CHECKING:
@@ -63,6 +65,12 @@ class ArrayApiBackend(Backend):
         return getattr(like, "device", None)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        # NumPy-backed namespaces warn when a multiply overflows to inf (a scale below 1): that
+        # inf is the arithmetic asked for, and the flag already covers the input.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._check_and_unscale(leaves, inv_scale)
+
+    def _check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         xp = self.xp
         finite = None
         out = []

@@ -67,6 +67,22 @@ class JaxBackend(Backend):
     def is_floating_dtype(self, dtype: Any) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.floating))
 
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        super().validate(leaves, spec, what)
+        # Eagerly, leaves committed to different devices cannot meet in one computation: say so
+        # here, naming the devices, rather than let XLA fail later. (Traced values have none.)
+        placements = {
+            frozenset(leaf.devices())
+            for leaf in leaves
+            if not isinstance(leaf, jax.core.Tracer) and getattr(leaf, "committed", False)
+        }
+        if len(placements) > 1:
+            names = sorted(str(d) for group in placements for d in group)
+            raise ValueError(
+                f"{what}s are committed to different devices ({', '.join(names)}); one call takes arrays "
+                "on one device or with one sharding: jax.device_put them together first"
+            )
+
     def flatten(self, tree: Any) -> tuple[list[Any], Any]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         return leaves, treedef
@@ -101,6 +117,15 @@ class JaxBackend(Backend):
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         return _all_finite(list(leaves))
+
+    def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
+        leaves = list(leaves)
+        total = sum(int(x.size) for x in leaves)
+        tiny = jnp.float32(0)
+        for x in leaves:
+            tiny = tiny + jnp.sum(jnp.abs(x) < jnp.finfo(x.dtype).smallest_normal, dtype=jnp.float32)
+        out, finite = self.check_and_unscale(leaves, inv_scale)
+        return out, finite, tiny / max(total, 1)
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         return [

@@ -11,6 +11,7 @@ The state lives in host memory as NumPy scalars; the transition runs on Python s
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,7 +54,8 @@ def _native_kind(dtype: Any) -> int | None:
 
 _BLOCK = 1 << 16  # elements per block on the pure-NumPy path (fits in L2 with room to spare)
 _warned_no_native = False
-_inverses: dict[float, float] = {}  # float32(1 / scale), as torch computes it, per scale value
+_inverses: dict[float, float] = {}
+_SIZE = operator.attrgetter("size")  # float32(1 / scale), as torch computes it, per scale value
 
 
 def kernel_isa() -> str:
@@ -109,13 +111,22 @@ class NumpyBackend(Backend):
         return xp
 
     # -- hot path ---------------------------------------------------------------------------
-    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+    def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
+        # Counted in the same pass: by the native kernel, or by the exact fallback for the rest.
+        total = sum(map(_SIZE, leaves))
+        tiny = [0]
+        out, finite = self.check_and_unscale(leaves, inv_scale, _tiny=tiny)
+        return out, finite, np.float64(tiny[0] / total if total else 0.0)
+
+    def check_and_unscale(
+        self, leaves: Sequence[Any], inv_scale: Any, _tiny: list[int] | None = None
+    ) -> tuple[list[Any], Any]:
         leaves = list(leaves)
         multiply = inv_scale is not None
         inv = 1.0 if inv_scale is None else float(inv_scale)
         if not NATIVE:
             _warn_no_native()
-            return self._fallback(leaves, inv, multiply, range(len(leaves)))
+            return self._fallback(leaves, inv, multiply, range(len(leaves)), _tiny)
         dtypes = [leaf.dtype for leaf in leaves]
         groups: dict[Any, list[int] | range]
         if len(set(dtypes)) == 1:
@@ -135,6 +146,11 @@ class NumpyBackend(Backend):
             if kind == 1:  # bfloat16 exports no buffer format: hand over its bits
                 arrays = [a.view(np.uint16) if isinstance(a, np.ndarray) else a for a in arrays]
             try:
+                if _tiny is not None:  # underflow tracking: count in the same pass
+                    group_finite, count = _native.check_and_unscale(arrays, kind, inv, multiply, self.threads, True)
+                    finite &= group_finite
+                    _tiny[0] += count
+                    continue
                 finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
             except (BufferError, ValueError, TypeError):
                 # Some arrays are strided or read-only: run the kernel on the others.
@@ -145,14 +161,20 @@ class NumpyBackend(Backend):
                     finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
                 leftovers.extend(rest)
         if leftovers:
-            leaves, rest_finite = self._fallback(leaves, inv, multiply, leftovers)
+            leaves, rest_finite = self._fallback(leaves, inv, multiply, leftovers, _tiny)
             finite &= bool(rest_finite)
         return leaves, np.bool_(finite)
 
-    def _fallback(self, leaves: list[Any], inv: float, multiply: bool, indices: Any) -> tuple[list[Any], Any]:
-        """Exact pure-NumPy check and unscale, block by block."""
+    def _fallback(
+        self, leaves: list[Any], inv: float, multiply: bool, indices: Any, tiny: list[int] | None = None
+    ) -> tuple[list[Any], Any]:
+        """Exact pure-NumPy check and unscale, block by block (and the underflow count, if asked)."""
         finite = True
         for i in indices:
+            if tiny is not None:
+                values = np.asarray(leaves[i])
+                wide = values.astype(np.float64) if values.dtype.kind != "f" or values.itemsize < 4 else values
+                tiny[0] += int(np.count_nonzero(np.abs(wide) < np.finfo(values.dtype).smallest_normal))
             leaf, leaf_finite = _check_and_unscale_numpy(leaves[i], inv, multiply and inv != 1.0)
             leaves[i] = leaf
             finite &= leaf_finite
@@ -245,7 +267,15 @@ def _native_ok(leaf: Any, multiply: bool) -> bool:
 
 
 def _check_and_unscale_numpy(leaf: Any, inv: float, multiply: bool) -> tuple[Any, bool]:
-    """One leaf on the pure-NumPy path: exact check of the input, then the float32 multiply."""
+    """One leaf on the pure-NumPy path: exact check of the input, then the float32 multiply.
+
+    Overflow to inf in the multiply (a scale below 1) is the arithmetic asked for: quietly.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _check_and_unscale_numpy_quiet(leaf, inv, multiply)
+
+
+def _check_and_unscale_numpy_quiet(leaf: Any, inv: float, multiply: bool) -> tuple[Any, bool]:
     array = np.asarray(leaf)
     wide = array.dtype.itemsize < 4 or array.dtype.kind != "f"  # half, bfloat16, float8
     if array.dtype.kind == "f" and array.dtype.itemsize >= 4:
