@@ -147,12 +147,20 @@ class ArrayOps:
         xp: the array namespace.
         device: where new constants are placed (``None`` lets the namespace decide).
         has_float64: whether the namespace and device support float64 arithmetic.
+        cache_constants: keep each constant (``0``, ``False``, the floor, ...) as one array,
+            made once, instead of a new array per transition. For eager device backends
+            (torch, CuPy), where making an array from a host value is a host-to-device copy
+            that waits for the device; never for tracing backends (JAX), where a cached
+            constant would be a tracer of a finished trace. Constants are never modified.
     """
 
-    def __init__(self, config: ScalerConfig, xp: Any, device: Any, has_float64: bool) -> None:
+    def __init__(
+        self, config: ScalerConfig, xp: Any, device: Any, has_float64: bool, cache_constants: bool = False
+    ) -> None:
         self.config = config
         self.xp = xp
         self.device = device
+        self._constants: dict[tuple[Any, ...], Any] | None = {} if cache_constants else None
         if config.scale_dtype == "float64" and not has_float64:
             raise ValueError(
                 f"scale_dtype='float64' (the default of preset {config.preset!r}, whose system keeps "
@@ -183,7 +191,14 @@ class ArrayOps:
         self.max_value = None if config.max_value is None else self.scale_constant(config.max_value)
 
     def _const(self, value: Any, dtype: Any) -> Any:
-        return self.xp.asarray(value, dtype=dtype, device=self.device)
+        constants = self._constants
+        if constants is None:
+            return self.xp.asarray(value, dtype=dtype, device=self.device)
+        key = (type(value), value, dtype)
+        constant = constants.get(key)
+        if constant is None:
+            constant = constants[key] = self.xp.asarray(value, dtype=dtype, device=self.device)
+        return constant
 
     def as_bool(self, value: Any) -> Any:
         xp = self.xp

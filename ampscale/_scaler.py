@@ -290,7 +290,8 @@ class Scaler:
             return Scaler(config, new_state, backend)
         fields = backend.unpack(state)
         finite = backend.as_bool(finite, fields.scale)
-        loss_ok = backend.as_bool(True if loss_finite is None else loss_finite, fields.scale)
+        # ops' own constant for an unchecked loss: on torch and CuPy devices, made once
+        loss_ok = ops.as_bool(True) if loss_finite is None else backend.as_bool(loss_finite, fields.scale)
         new_fields, floor_event = transition(config, fields, finite, loss_ok, ops)
         new_state = backend.pack(new_fields)
         if config.on_floor != "ignore":

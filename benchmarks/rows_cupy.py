@@ -1,6 +1,6 @@
 """Benchmark cases for the CuPy backend on a GPU (loaded by ``benchmarks/run.py`` with cupy).
 
-Rows: ampscale's fused kernel (unscale + update), a per-array CuPy loop (``isfinite().all()`` +
+Rows: ampscale's fused kernel (unscale + update, and unscale alone), a per-array CuPy loop (``isfinite().all()`` +
 multiply per array, the anchor), and the device's own L: an in-place multiply of one buffer of
 the same bytes (``buf *= s``), all synchronised at the end of each round.
 """
@@ -38,6 +38,11 @@ def cases(workload: str) -> list[Case]:
         _, finite = scaler.unscale(grads)
         scalers[i % 2] = scaler.update(finite)
 
+    kernel_scalers = [ampscale.create_scaler(backend="cupy", init_scale=s) for s in SCALES]
+
+    def kernel_only(i: int) -> None:  # the fused kernel and its host side, without the update
+        kernel_scalers[i % 2].unscale(grads)
+
     loop_grads = [cupy.asarray(a) for a in make_arrays(workload)]
     invs = [cupy.float32(1.0 / s) for s in SCALES]
 
@@ -50,6 +55,7 @@ def cases(workload: str) -> list[Case]:
     out = [
         Case("cupy", workload, "L: cupy in-place multiply", limit, moved, device="gpu", limit=True, sync=sync),
         Case("cupy", workload, "ampscale cupy (one kernel)", fused, moved, device="gpu", sync=sync),
+        Case("cupy", workload, "ampscale cupy unscale only (no update)", kernel_only, moved, device="gpu", sync=sync),
         Case("cupy", workload, "per-array cupy loop", per_array, moved, device="gpu", anchor=True, sync=sync),
     ]
     return out

@@ -151,6 +151,22 @@ def fw(request: pytest.FixtureRequest) -> Framework:
     return request.param
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``isa`` variants (NumPy's native kernel families) run for NumPy only: deselect the
+    copies of a test that pair another framework with a non-default kernel family."""
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        fw, isa = params.get("fw"), params.get("isa")
+        if fw is not None and isa not in (None, "best") and fw.name != "numpy":
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
 

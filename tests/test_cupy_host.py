@@ -49,7 +49,7 @@ def host_kernel(tmp_path_factory: pytest.TempPathFactory):
             "-std=c++14",
             "-O2",
             "-Xcompiler",
-            "-fPIC",
+            "-fPIC,-fno-strict-aliasing",
             "-shared",
             "-cudart",
             "static",
@@ -106,21 +106,28 @@ def test_every_half_precision_value_on_the_host(host_kernel, dtype: str, inv: fl
         assert host_kernel([probe], inv) is False
 
 
-@pytest.mark.parametrize("offset", [0, 1, 2, 3])  # float4 alignment of the chunk start
-def test_float32_and_float64_across_chunks_lanes_and_alignment(host_kernel, offset: int) -> None:
+@pytest.mark.parametrize("offset", range(8))  # where the chunk start falls in a 16-byte word
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_every_dtype_across_chunks_lanes_and_alignment(host_kernel, dtype: str, offset: int) -> None:
     rng = np.random.default_rng(offset)
-    for dtype in (np.float32, np.float64):
-        buffers = [rng.standard_normal(n + offset).astype(dtype) for n in (1, 7, 1000, 5003)]
-        arrays = [b[offset:] for b in buffers]  # views whose start is shifted
+    np_dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    for chunk, lanes in ((256, 5), (1000, 3), (plan.CHUNK, 512)):
+        buffers = [(rng.standard_normal(n + offset) * 100).astype(np_dtype) for n in (1, 7, 1000, 5003, 70_001)]
+        arrays = [b[offset:] for b in buffers]  # views whose start is shifted off the 16-byte grid
         expected = [reference(a, 2.0**-5) for a in arrays]
-        assert host_kernel(arrays, 2.0**-5, chunk=256, lanes=5) is True
+        assert host_kernel(arrays, 2.0**-5, chunk=chunk, lanes=lanes) is True
         for a, e in zip(arrays, expected, strict=True):
-            np.testing.assert_array_equal(a, e)
+            np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8))
+        unchanged = [a.copy() for a in arrays]
+        assert host_kernel(arrays, 0.5, multiply=False, chunk=chunk, lanes=lanes) is True
+        for a, e in zip(arrays, unchanged, strict=True):
+            np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8))
         for bad in (np.inf, -np.inf, np.nan):
             for position in (0, 2500, 5002):
                 probe = [a.copy() for a in arrays]
                 probe[3][position] = bad
-                assert host_kernel(probe, 1.0, chunk=256) is False
+                assert host_kernel(probe, 1.0, chunk=chunk, lanes=lanes) is False
+                assert host_kernel(probe, 0.5, multiply=False, chunk=chunk, lanes=lanes) is False
 
 
 def test_check_only_leaves_values_untouched(host_kernel) -> None:

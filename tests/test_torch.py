@@ -405,3 +405,27 @@ def test_cuda_side_by_side_and_bf16_grads() -> None:
     x, y = batches(1, torch.bfloat16)[0]
     train_step(model, opt, scaler, x.cuda(), y.cuda(), False)
     assert scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize("widened", [True, False], ids=["widened-fused", "per-tensor"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fallback_for_dtypes_the_fused_kernel_lacks_is_bit_exact(monkeypatch, dtype, widened: bool) -> None:
+    # torch's CUDA kernel has no bfloat16; the fallback must give the kernel's bits (float32
+    # opmath, round to nearest even), not those of a multiply by the factor rounded to bf16.
+    cpu = torch.device("cpu")
+    lacking = {(cpu, dtype): False} if widened else {(cpu, dtype): False, (cpu, torch.float32): False}
+    monkeypatch.setattr(torch_backend, "_fused_support", dict(lacking))
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(n, generator=gen) * 300 for n in (1, 1000, 70_001)]
+    expected = [(v.to(dtype).float() * torch.tensor(1 / 3, dtype=torch.float32)).to(dtype) for v in values]
+    grads = [v.to(dtype) for v in values]
+    scaler = ampscale.create_scaler(backend="torch", init_scale=3.0)
+    out, finite = scaler.unscale(grads)
+    assert bool(finite)
+    for got, want in zip(out, expected, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    factor_rounded = (values[1].to(dtype) * torch.tensor(1 / 3, dtype=torch.float32).to(dtype)).to(dtype)
+    assert not torch.equal(factor_rounded, expected[1])  # the test can tell the two apart
+    grads[1][500] = float("nan")
+    assert not bool(scaler.unscale(grads)[1])
+    assert torch_backend._fused_support[(cpu, dtype)] is False  # the fallback really ran

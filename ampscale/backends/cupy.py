@@ -3,7 +3,7 @@
 The check + unscale of *every* gradient array, of any float dtype, is one launch of the kernel
 in ``cupy_kernels.cu`` (loaded with ``cupy.RawModule``): a table of chunks (address, first
 element, length, dtype) lives on the GPU, cached while the arrays stay the same, and each CUDA
-block processes one chunk, reading and writing every element once, with float4 accesses where
+block processes one chunk, reading and writing every element once, with 16-byte accesses where
 aligned. The inverse scale and the flag stay on the GPU; ``unscale``, ``update`` and ``step``
 never synchronise with the host. The state is 0-d CuPy arrays on the gradients' device and the
 shared transition runs there.
@@ -26,11 +26,15 @@ import cupy
 import numpy as np
 
 from ampscale._errors import PerformanceWarning
+from ampscale._ops import ArrayOps
 from ampscale.backends._base import Backend
-from ampscale.backends._cupy_plan import KINDS, chunk_table, kernel_source
+from ampscale.backends._cupy_plan import CHUNK_DTYPE, KINDS, chunk_table, kernel_source
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from ampscale._config import ScalerConfig
+    from ampscale._core import ScalerState
 
 __all__ = ["BACKEND", "BLOCK_THREADS", "CupyBackend"]
 
@@ -40,6 +44,59 @@ BLOCK_THREADS = 512
 _lock = threading.Lock()
 _modules: dict[int, Any] = {}  # device id -> compiled RawModule
 _warned_strided = False
+_ones: dict[int, Any] = {}  # device id -> a 0-d float32 one (the "inverse scale" of a check-only pass)
+
+
+def _kind_codes() -> dict[Any, int]:
+    codes: dict[Any, int] = {np.dtype(name): code for name, code in KINDS.items() if name != "bfloat16"}
+    try:
+        import ml_dtypes
+
+        codes[np.dtype(ml_dtypes.bfloat16)] = KINDS["bfloat16"]
+    except ImportError:  # pragma: no cover - CuPy's bfloat16 comes from ml_dtypes
+        pass
+    return codes
+
+
+#: dtype -> the kernel's dtype code, for the dtypes the fused kernel handles
+_KIND_OF = _kind_codes()
+
+
+def _one(device_id: int) -> Any:
+    one = _ones.get(device_id)
+    if one is None:
+        with cupy.cuda.Device(device_id):
+            one = _ones[device_id] = cupy.ones((), dtype=cupy.float32)
+    return one
+
+
+class _TransitionNamespace:
+    """The few array-API functions the state transition uses, as plain CuPy calls (each
+    array_api_compat wrapper may add a copy or conversion, and on the GPU each is a launch)."""
+
+    bool = cupy.bool_
+    int32 = cupy.int32
+    float32 = cupy.float32
+    float64 = cupy.float64
+    where = staticmethod(cupy.where)
+    logical_and = staticmethod(cupy.logical_and)
+    logical_or = staticmethod(cupy.logical_or)
+    logical_not = staticmethod(cupy.logical_not)
+    isfinite = staticmethod(cupy.isfinite)
+    minimum = staticmethod(cupy.minimum)
+    maximum = staticmethod(cupy.maximum)
+
+    @staticmethod
+    def astype(x: Any, dtype: Any) -> Any:
+        return x if x.dtype == dtype else x.astype(dtype)
+
+    @staticmethod
+    def asarray(value: Any, dtype: Any, device: Any = None) -> Any:
+        # a fill kernel: no host-to-device copy
+        if device is None:
+            return cupy.full((), value, dtype=dtype)
+        with device:
+            return cupy.full((), value, dtype=dtype)
 
 
 def _kernel(device_id: int) -> Any:
@@ -78,16 +135,27 @@ class CupyBackend(Backend):
     def device_of(self, like: Any) -> Any:
         return like.device if isinstance(like, cupy.ndarray) else None
 
+    def ops(self, config: ScalerConfig, state: ScalerState) -> ArrayOps:
+        # One ArrayOps per (settings, GPU), with its constants made once: no host-to-device
+        # copy (which would wait for the GPU) in the per-step transition.
+        key = f"cupy:{state.scale.data.device_id}"
+        ops = config._cache.get(key)
+        if ops is None:
+            ops = config._cache[key] = ArrayOps(
+                config, _TransitionNamespace, state.scale.device, True, cache_constants=True
+            )
+        return ops  # type: ignore[no-any-return]
+
     # -- the fused hot path -----------------------------------------------------------------
-    def _table(self, arrays: Sequence[Any], device_id: int) -> Any:
-        key = tuple((a.data.ptr, a.size, a.dtype.name) for a in arrays)
+    def _table(self, rows: list[tuple[int, int, int]], device_id: int) -> Any:
+        """The chunk table of ``(address, size, kind)`` rows on the device, cached by the rows."""
+        key = (device_id, *rows)
         table = self._tables.get(key)
         if table is None:
-            rows = chunk_table(
-                [a.data.ptr for a in arrays], [a.size for a in arrays], [KINDS[a.dtype.name] for a in arrays]
-            )
+            addresses, sizes, kinds = zip(*rows, strict=True)
+            host_table = chunk_table(addresses, sizes, kinds)
             with cupy.cuda.Device(device_id):
-                table = cupy.asarray(rows.view(np.uint8))
+                table = cupy.asarray(host_table.view(np.uint8))
             self._tables[key] = table
             if len(self._tables) > 32:
                 self._tables.popitem(last=False)
@@ -97,37 +165,46 @@ class CupyBackend(Backend):
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         leaves = list(leaves)
-        by_device: dict[int, list[Any]] = {}
+        # One cheap pass over the leaves (CuPy's own read-only fields: no temporary objects),
+        # grouping the kernel's rows by device.
+        rows: dict[int, list[tuple[int, int, int]]] = {}
         strided = []
+        kind_of = _KIND_OF
         for leaf in leaves:
-            if leaf.size == 0:
+            size = leaf.size
+            if not size:
                 continue
-            if (leaf.flags.c_contiguous or leaf.flags.f_contiguous) and leaf.dtype.name in KINDS:
-                by_device.setdefault(leaf.device.id, []).append(leaf)
+            kind = kind_of.get(leaf.dtype)
+            if kind is not None and (leaf._c_contiguous or leaf._f_contiguous):
+                memory = leaf.data
+                group = rows.get(memory.device_id)
+                if group is None:
+                    group = rows[memory.device_id] = []
+                group.append((memory.ptr, size, kind))
             else:
                 strided.append(leaf)
         flags = []
         multiply = inv_scale is not None
-        for device_id, arrays in by_device.items():
+        for device_id, group in rows.items():
             with cupy.cuda.Device(device_id):
                 found_inf = cupy.zeros((), dtype=cupy.float32)
-                inv = inv_scale if multiply else cupy.ones((), dtype=cupy.float32)
-                if inv.device.id != device_id:
+                inv = inv_scale if multiply else _one(device_id)
+                if inv.data.device_id != device_id:
                     inv = cupy.asarray(inv)
-                table = self._table(arrays, device_id)
-                num_chunks = table.size // 32
-                if num_chunks:
-                    _kernel(device_id)((num_chunks,), (BLOCK_THREADS,), (table, inv, found_inf, np.int32(multiply)))
+                table = self._table(group, device_id)
+                _kernel(device_id)(
+                    (table.size // CHUNK_DTYPE.itemsize,), (BLOCK_THREADS,), (table, inv, found_inf, np.int32(multiply))
+                )
                 flags.append(found_inf)
         for leaf in strided:
             flags.append(self._strided(leaf, inv_scale))
         if not flags:
             like = leaves[0] if leaves else None
             return leaves, self.as_bool(True, like)
-        home = flags[0].device.id
+        home = flags[0].data.device_id
         total = flags[0]
         for flag in flags[1:]:
-            total = total + (flag if flag.device.id == home else cupy.asarray(flag))
+            total = total + (flag if flag.data.device_id == home else cupy.asarray(flag))
         return leaves, total == 0
 
     def _strided(self, leaf: Any, inv_scale: Any) -> Any:

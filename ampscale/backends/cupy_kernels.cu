@@ -77,61 +77,140 @@ __host__ __device__ inline unsigned short ampscale_f32_to_bf16(float f) {
     return static_cast<unsigned short>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-// Returns true when the element was inf or nan.
-__host__ __device__ inline bool ampscale_process(char* base, long long i, long long kind, float inv, bool multiply) {
-    if (kind == AMPSCALE_KIND_F32) {
-        unsigned int* p = reinterpret_cast<unsigned int*>(base) + i;
-        unsigned int bits = *p;
-        if (multiply) *p = ampscale_f32_to_bits(ampscale_bits_to_f32(bits) * inv);
-        return ampscale_bad_f32(bits);
-    }
-    if (kind == AMPSCALE_KIND_F16) {
-        __half* p = reinterpret_cast<__half*>(base) + i;
-        unsigned short bits = *reinterpret_cast<unsigned short*>(p);
-        if (multiply) *p = __float2half_rn(__half2float(*p) * inv);
-        return ampscale_bad_f16(bits);
-    }
-    if (kind == AMPSCALE_KIND_BF16) {
-        unsigned short* p = reinterpret_cast<unsigned short*>(base) + i;
-        unsigned short bits = *p;
-        if (multiply) *p = ampscale_f32_to_bf16(ampscale_bf16_to_f32(bits) * inv);
-        return ampscale_bad_bf16(bits);
-    }
-    unsigned long long* p = reinterpret_cast<unsigned long long*>(base) + i;
-    unsigned long long bits = *p;
-    if (multiply) *p = ampscale_f64_to_bits(ampscale_bits_to_f64(bits) * static_cast<double>(inv));
-    return ampscale_bad_f64(bits);
+__host__ __device__ inline float ampscale_f16_to_f32(unsigned short b) {
+    __half_raw r;
+    r.x = b;
+    return __half2float(__half(r));
 }
 
-// Elements [first, last) of one chunk, visited by `lane` of `lanes` workers.
+__host__ __device__ inline unsigned short ampscale_f32_to_f16(float f) {
+    const __half_raw r = __float2half_rn(f);
+    return r.x;
+}
+
+// One 16-bit element (float16 or bfloat16) as bits: returns the new bits, sets `bad` on inf/nan.
+__host__ __device__ inline unsigned int ampscale_half_bits(unsigned int bits, long long kind, float inv, bool multiply,
+                                                           bool& bad) {
+    const unsigned short b = static_cast<unsigned short>(bits);
+    if (kind == AMPSCALE_KIND_F16) {
+        bad |= ampscale_bad_f16(b);
+        return multiply ? ampscale_f32_to_f16(ampscale_f16_to_f32(b) * inv) : b;
+    }
+    bad |= ampscale_bad_bf16(b);
+    return multiply ? ampscale_f32_to_bf16(ampscale_bf16_to_f32(b) * inv) : b;
+}
+
+__host__ __device__ inline unsigned int ampscale_f32_bits(unsigned int bits, float inv, bool multiply, bool& bad) {
+    bad |= ampscale_bad_f32(bits);
+    return multiply ? ampscale_f32_to_bits(ampscale_bits_to_f32(bits) * inv) : bits;
+}
+
+__host__ __device__ inline unsigned long long ampscale_f64_bits(unsigned long long bits, float inv, bool multiply,
+                                                                bool& bad) {
+    bad |= ampscale_bad_f64(bits);
+    return multiply ? ampscale_f64_to_bits(ampscale_bits_to_f64(bits) * static_cast<double>(inv)) : bits;
+}
+
+// Element i of an array. Returns true when the element was inf or nan.
+__host__ __device__ inline bool ampscale_process(char* base, long long i, long long kind, float inv, bool multiply) {
+    bool bad = false;
+    if (kind == AMPSCALE_KIND_F32) {
+        unsigned int* p = reinterpret_cast<unsigned int*>(base) + i;
+        const unsigned int out = ampscale_f32_bits(*p, inv, multiply, bad);
+        if (multiply) *p = out;
+    } else if (kind == AMPSCALE_KIND_F64) {
+        unsigned long long* p = reinterpret_cast<unsigned long long*>(base) + i;
+        const unsigned long long out = ampscale_f64_bits(*p, inv, multiply, bad);
+        if (multiply) *p = out;
+    } else {
+        unsigned short* p = reinterpret_cast<unsigned short*>(base) + i;
+        const unsigned int out = ampscale_half_bits(*p, kind, inv, multiply, bad);
+        if (multiply) *p = static_cast<unsigned short>(out);
+    }
+    return bad;
+}
+
+// Two 16-bit elements packed in 32 bits (little-endian: the lower address in the low half).
+__host__ __device__ inline unsigned int ampscale_half_pair(unsigned int two, long long kind, float inv, bool multiply,
+                                                           bool& bad) {
+    const unsigned int lo = ampscale_half_bits(two & 0xffffu, kind, inv, multiply, bad);
+    const unsigned int hi = ampscale_half_bits(two >> 16, kind, inv, multiply, bad);
+    return lo | (hi << 16);
+}
+
+// One 16-byte word: 4 float32, 2 float64 or 8 float16/bfloat16 elements. Integer lanes only,
+// so the same code is exact on the host (no type punning of the word itself).
+__host__ __device__ inline bool ampscale_word(uint4& w, long long kind, float inv, bool multiply) {
+    bool bad = false;
+    if (kind == AMPSCALE_KIND_F32) {
+        w.x = ampscale_f32_bits(w.x, inv, multiply, bad);
+        w.y = ampscale_f32_bits(w.y, inv, multiply, bad);
+        w.z = ampscale_f32_bits(w.z, inv, multiply, bad);
+        w.w = ampscale_f32_bits(w.w, inv, multiply, bad);
+    } else if (kind == AMPSCALE_KIND_F64) {
+        const unsigned long long a =
+            ampscale_f64_bits((static_cast<unsigned long long>(w.y) << 32) | w.x, inv, multiply, bad);
+        const unsigned long long b =
+            ampscale_f64_bits((static_cast<unsigned long long>(w.w) << 32) | w.z, inv, multiply, bad);
+        w.x = static_cast<unsigned int>(a);
+        w.y = static_cast<unsigned int>(a >> 32);
+        w.z = static_cast<unsigned int>(b);
+        w.w = static_cast<unsigned int>(b >> 32);
+    } else {
+        w.x = ampscale_half_pair(w.x, kind, inv, multiply, bad);
+        w.y = ampscale_half_pair(w.y, kind, inv, multiply, bad);
+        w.z = ampscale_half_pair(w.z, kind, inv, multiply, bad);
+        w.w = ampscale_half_pair(w.w, kind, inv, multiply, bad);
+    }
+    return bad;
+}
+
+__host__ __device__ inline long long ampscale_item_size(long long kind) {
+    return kind == AMPSCALE_KIND_F64 ? 8 : (kind == AMPSCALE_KIND_F32 ? 4 : 2);
+}
+
+// Elements [start, start + length) of one chunk, visited by `lane` of `lanes` workers: 16-byte
+// loads and stores, four in flight per worker, where the array is 16-byte aligned (CuPy's
+// allocations are); element by element for the unaligned head and tail.
 __host__ __device__ inline bool ampscale_chunk_part(const AmpscaleChunk& chunk, long long lane, long long lanes, float inv,
                                                     bool multiply) {
     char* base = reinterpret_cast<char*>(chunk.data);
-    bool bad = false;
+    const long long kind = chunk.kind;
     const long long end = chunk.start + chunk.length;
-    if (chunk.kind == AMPSCALE_KIND_F32 && multiply) {
-        // float4 loads and stores where the chunk is 16-byte aligned (the common case).
-        const long long vec_first = (chunk.start + 3) / 4 * 4;
-        const long long vec_end = end / 4 * 4;
-        bool aligned = (reinterpret_cast<unsigned long long>(base) % 16 == 0) && vec_first < vec_end;
-        if (aligned) {
-            for (long long i = chunk.start + lane; i < vec_first; i += lanes) bad |= ampscale_process(base, i, chunk.kind, inv, multiply);
-            float4* v = reinterpret_cast<float4*>(base);
-            for (long long j = vec_first / 4 + lane; j < vec_end / 4; j += lanes) {
-                float4 x = v[j];
-                bad |= ampscale_bad_f32(ampscale_f32_to_bits(x.x)) | ampscale_bad_f32(ampscale_f32_to_bits(x.y)) |
-                       ampscale_bad_f32(ampscale_f32_to_bits(x.z)) | ampscale_bad_f32(ampscale_f32_to_bits(x.w));
-                x.x *= inv;
-                x.y *= inv;
-                x.z *= inv;
-                x.w *= inv;
-                v[j] = x;
+    const long long per_word = 16 / ampscale_item_size(kind);
+    const long long vec_first = (chunk.start + per_word - 1) / per_word * per_word;
+    const long long vec_end = end / per_word * per_word;
+    bool bad = false;
+    if (chunk.data % 16 == 0 && vec_first < vec_end) {
+        for (long long i = chunk.start + lane; i < vec_first; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
+        uint4* words = reinterpret_cast<uint4*>(base);
+        long long j = vec_first / per_word + lane;
+        const long long last = vec_end / per_word;
+        for (; j + 3 * lanes < last; j += 4 * lanes) {
+            uint4 a = words[j];
+            uint4 b = words[j + lanes];
+            uint4 c = words[j + 2 * lanes];
+            uint4 d = words[j + 3 * lanes];
+            bad |= ampscale_word(a, kind, inv, multiply);
+            bad |= ampscale_word(b, kind, inv, multiply);
+            bad |= ampscale_word(c, kind, inv, multiply);
+            bad |= ampscale_word(d, kind, inv, multiply);
+            if (multiply) {
+                words[j] = a;
+                words[j + lanes] = b;
+                words[j + 2 * lanes] = c;
+                words[j + 3 * lanes] = d;
             }
-            for (long long i = vec_end + lane; i < end; i += lanes) bad |= ampscale_process(base, i, chunk.kind, inv, multiply);
-            return bad;
         }
+        for (; j < last; j += lanes) {
+            uint4 a = words[j];
+            bad |= ampscale_word(a, kind, inv, multiply);
+            if (multiply) words[j] = a;
+        }
+        for (long long i = vec_end + lane; i < end; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
+        return bad;
     }
-    for (long long i = chunk.start + lane; i < end; i += lanes) bad |= ampscale_process(base, i, chunk.kind, inv, multiply);
+    for (long long i = chunk.start + lane; i < end; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
     return bad;
 }
 

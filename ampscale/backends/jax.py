@@ -112,11 +112,20 @@ class JaxBackend(Backend):
     # -- the fused hot path -----------------------------------------------------------------
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         leaves = list(leaves)
-        outs = leaves if inv_scale is None else [_unscale(x, inv_scale) for x in leaves]
-        return outs, _all_finite(outs)
+        if inv_scale is None:
+            return leaves, self.all_finite(leaves)
+        if _eager(leaves) and not isinstance(inv_scale, jax.core.Tracer):
+            # One compiled computation (cached by jit per tree of shapes and dtypes) rather than
+            # op-by-op dispatch, which compiles a small program per op and distinct shape.
+            outs, finite = _check_and_unscale_jit(leaves, inv_scale)
+            return list(outs), finite
+        return _check_and_unscale(leaves, inv_scale)
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:
-        return _all_finite(list(leaves))
+        leaves = list(leaves)
+        if _eager(leaves):
+            return _all_finite_jit(leaves)
+        return _all_finite(leaves)
 
     def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
         leaves = list(leaves)
@@ -230,6 +239,16 @@ def _unscale(x: Any, inv_scale: Any) -> Any:
     return (x.astype(jnp.float32) * inv_scale).astype(x.dtype)
 
 
+def _eager(leaves: list[Any]) -> bool:
+    """Whether no leaf is being traced (so the call runs op by op unless jitted here)."""
+    return bool(leaves) and not any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+def _check_and_unscale(leaves: list[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+    outs = [_unscale(x, inv_scale) for x in leaves]
+    return outs, _all_finite(outs)
+
+
 def _all_finite(leaves: list[Any]) -> Any:
     """Exact and overflow-proof: sum(x * 0) is 0 when every x is finite, nan otherwise.
 
@@ -252,6 +271,10 @@ def _all_finite(leaves: list[Any]) -> Any:
     for t in totals[1:]:
         total = total + t
     return jnp.logical_not(jnp.isnan(total))
+
+
+_check_and_unscale_jit = jax.jit(_check_and_unscale)
+_all_finite_jit = jax.jit(_all_finite)
 
 
 # -- the Scaler as a pytree ---------------------------------------------------------------------

@@ -3,9 +3,9 @@
 The check + unscale is ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel
 ``torch.amp.GradScaler`` uses: gradients are grouped by device and dtype, checked in float32
 opmath, multiplied by the inverse scale, all in one launch per group, with no host sync. Where
-the kernel lacks a dtype (bfloat16 on CUDA in some torch releases), an exact fallback of two
-foreach launches (``isfinite`` reduced on the device, ``_foreach_mul_``) takes over; which
-path a (device type, dtype) pair uses is decided once, by trying the kernel.
+the kernel lacks a dtype (bfloat16 on CUDA), the gradients are widened to float32, run through
+the same kernel and rounded back: the same bits; which path a (device, dtype) pair uses is
+decided once, by trying the kernel.
 
 State: on the CPU it is kept as Python scalars (the transition runs on the host, no tensor
 kernels), exposed as 0-d CPU tensors; on an accelerator it is 0-d tensors on that device,
@@ -55,6 +55,53 @@ class UncoalescedSparseError(ValueError):
 
 def _is_cpu(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+
+
+class _TransitionNamespace:
+    """The few array-API functions the state transition uses, as plain torch calls.
+
+    array_api_compat's torch wrappers add a dtype conversion or two per call (for the spec's
+    promotion rules, which the transition never relies on: its operands already share dtypes);
+    on an accelerator each is a kernel launch, so the transition uses torch directly.
+    """
+
+    bool = torch.bool
+    int32 = torch.int32
+    float32 = torch.float32
+    float64 = torch.float64
+    where = staticmethod(torch.where)
+    logical_and = staticmethod(torch.logical_and)
+    logical_or = staticmethod(torch.logical_or)
+    logical_not = staticmethod(torch.logical_not)
+    isfinite = staticmethod(torch.isfinite)
+    minimum = staticmethod(torch.minimum)
+    maximum = staticmethod(torch.maximum)
+
+    @staticmethod
+    def astype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x if x.dtype == dtype else x.to(dtype)
+
+    @staticmethod
+    def asarray(value: Any, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        return torch.full((), value, dtype=dtype, device=device)  # a fill kernel: no host-to-device copy
+
+
+#: float32 elements widened at a time by the 16-bit fallback (256 MiB of copies)
+_WIDE_BATCH_ELEMENTS = 1 << 26
+
+
+def _batches(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of ``tensors`` of at most ``limit`` elements (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = [[]]
+    count = 0
+    for t in tensors:
+        n = t.numel()
+        if out[-1] and count + n > limit:
+            out.append([])
+            count = 0
+        out[-1].append(t)
+        count += n
+    return out
 
 
 class TorchBackend(Backend):
@@ -200,10 +247,29 @@ class TorchBackend(Backend):
                 if supported or "not implemented" not in str(exc).lower():
                     raise
                 _fused_support[key] = False  # e.g. bfloat16 on CUDA: nothing was touched
-        # Exact fallback, on the device: check the inputs, then multiply in float32 opmath.
+        if (
+            dtype in (torch.float16, torch.bfloat16)
+            and _fused_support.get((device, torch.float32)) is not False
+            and not any(g.is_sparse for g in grads)
+        ):
+            # Widen to float32 (exact), run the fused kernel on the copies (the check, and the
+            # multiply in float32 opmath), round back to nearest even: the same bits the kernel
+            # gives where it has the dtype. In batches, to bound the extra memory.
+            for batch in _batches(grads, _WIDE_BATCH_ELEMENTS):
+                wide = [g.float() for g in batch]
+                self._check_and_unscale_group(wide, found_inf, inv, device, torch.float32)
+                torch._foreach_copy_(batch, wide)
+            return
+        # Exact generic fallback: check the inputs, then multiply in float32 opmath (float64
+        # for float64) one tensor at a time (a foreach multiply would round the factor to the
+        # tensors' dtype first).
         flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
         found_inf.add_(flags.to(torch.float32)).clamp_(max=1.0)
-        torch._foreach_mul_(grads, inv)
+        for g in grads:
+            if g.dtype in (torch.float16, torch.bfloat16):
+                g.copy_(g.float().mul_(inv))
+            else:
+                g.mul_(inv)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         fast = self._single_group(leaves)
@@ -291,7 +357,9 @@ class TorchBackend(Backend):
         key = f"torch:{device}"
         ops = config._cache.get(key)
         if ops is None:
-            ops = config._cache[key] = ArrayOps(config, self.namespace(), device, self.has_float64(state.scale))
+            ops = config._cache[key] = ArrayOps(
+                config, _TransitionNamespace, device, self.has_float64(state.scale), cache_constants=True
+            )
         return ops  # type: ignore[no-any-return]
 
     def state_device_matches(self, state: ScalerState, like: Any) -> bool:
