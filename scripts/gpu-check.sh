@@ -3,9 +3,11 @@
 #   1. set up ampscale from this tree (no package index needed: wheels in .whl/ are used if present),
 #   2. the GPU tests: CuPy, torch CUDA, the shared contract and reliability tests on every GPU
 #      framework, the CuPy example on the GPU,
-#   3. the JAX tests with JAX on the GPU (JAX's default device there),
-#   4. the GPU benchmark rows (CuPy, torch CUDA, JAX GPU).
+#   3. the GPU benchmark rows (CuPy, torch CUDA, JAX GPU),
+#   4. the JAX tests with JAX on the GPU (JAX's default device there).
 # Usage: bash scripts/gpu-check.sh [output directory]   (logs and the benchmark table land there)
+# Limits (seconds) and the benchmarked backends can be set: GPU_TESTS_LIMIT, BENCH_LIMIT,
+# JAX_TESTS_LIMIT, BENCH_BACKENDS (e.g. "cupy,torch").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check-output}}"
@@ -55,22 +57,12 @@ opts=(-q -p no:cacheprovider -p no:benchmark -n 8 --no-header -rfE --durations=8
 if "$py" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout=120); fi
 
 echo "== GPU tests (CuPy, torch CUDA, contract and reliability tests on the GPU frameworks)"
-timeout 240 "$py" -m pytest -m gpu "${opts[@]}" \
+timeout "${GPU_TESTS_LIMIT:-240}" "$py" -m pytest -m gpu "${opts[@]}" \
     tests/test_cupy.py tests/test_scaler.py tests/test_overflow_detection.py tests/test_reliability.py \
     tests/test_torch.py tests/test_examples.py \
     2>&1 | tee "$out/gpu-tests.log"
 code=${PIPESTATUS[0]}
 if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then status=1; fi
-
-echo "== JAX tests with JAX on the GPU"
-if "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-    timeout 200 "$py" -m pytest "${opts[@]}" \
-        tests/test_jax.py tests/test_scaler.py tests/test_overflow_detection.py -k "jax" \
-        2>&1 | tee "$out/jax-gpu-tests.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-else
-    echo "JAX has no GPU here: skipped"
-fi
 
 echo "== GPU benchmark"
 backends=$("$py" - <<'PY'
@@ -78,8 +70,19 @@ import importlib.util
 print(",".join(b for b in ("cupy", "torch", "jax") if importlib.util.find_spec(b)))
 PY
 )
-timeout 210 "$py" benchmarks/run.py --backends "$backends" --workloads W0,W1,W1h,W2 --quick --markdown \
-    --json "$out/gpu-benchmark.json" 2>&1 | tee "$out/gpu-benchmark.md"
+timeout "${BENCH_LIMIT:-240}" "$py" benchmarks/run.py --backends "${BENCH_BACKENDS:-$backends}" \
+    --workloads W0,W1,W1h,W2 --quick --markdown --json "$out/gpu-benchmark.json" 2>&1 | tee "$out/gpu-benchmark.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== JAX tests with JAX on the GPU"
+if "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
+    timeout "${JAX_TESTS_LIMIT:-200}" "$py" -m pytest "${opts[@]}" \
+        tests/test_jax.py tests/test_scaler.py tests/test_overflow_detection.py -k "jax" \
+        2>&1 | tee "$out/jax-gpu-tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+    echo "JAX has no GPU here: skipped"
+fi
+
 echo "== gpu-check exit status: $status"
 exit $status
