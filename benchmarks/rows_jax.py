@@ -43,6 +43,7 @@ def cases(workload: str) -> list[Case]:
     grads = _arrays(workload)
     moved = 2 * nbytes(grads)
     device = "cpu" if jax.default_backend() == "cpu" else "gpu"
+    label = "jax" if device == "cpu" else "jax-gpu"  # rows on a GPU compare with the GPU's L
     if device == "gpu":  # the device's own L: a donated in-place multiply of one buffer
         buffer = {"x": jnp.concatenate([g.reshape(-1) for g in _arrays(workload)])}
         mul = jax.jit(lambda x, s: x * s, donate_argnums=0)
@@ -74,7 +75,16 @@ def cases(workload: str) -> list[Case]:
     scalers = [first, first.load_state_dict(saved)]
     step, seconds, sync = _runner(ampscale_step, grads, scalers)
     out.append(
-        Case("jax", workload, "ampscale jax (jit, donated)", step, moved, note=f"compile {seconds:.1f} s", sync=sync)
+        Case(
+            label,
+            workload,
+            "ampscale jax (jit, donated)",
+            step,
+            moved,
+            note=f"compile {seconds:.1f} s",
+            device=device,
+            sync=sync,
+        )
     )
 
     if importlib.util.find_spec("jmp") is not None:
@@ -101,13 +111,14 @@ def cases(workload: str) -> list[Case]:
             note += "; promotes float16 to float32"
         out.append(
             Case(
-                "jax",
+                label,
                 workload,
                 "jmp (jit, donated)",
                 jmp_run,
                 moved,
                 anchor=True,
                 note=note,
+                device=device,
                 sync=lambda: jax.block_until_ready(holder["grads"]),
             )
         )
