@@ -24,9 +24,11 @@ from ampscale._config import INT32_MAX, INT32_MIN, _round_to
 from ampscale._errors import AmpscaleWarning
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ampscale._config import ScalerConfig
 
-__all__ = ["ArrayOps", "HostOps", "Ops"]
+__all__ = ["ArrayOps", "HostOps", "Ops", "PlainNamespace"]
 
 
 class HostOps:
@@ -261,3 +263,41 @@ class ArrayOps:
 
 
 Ops = HostOps | ArrayOps
+
+
+class PlainNamespace:
+    """The few array-API functions :class:`ArrayOps` uses, bound to a framework's own calls.
+
+    array_api_compat's wrappers may add a copy or a dtype conversion per call (for promotion
+    rules the transition never relies on: its operands already share dtypes); on a GPU each is
+    a kernel launch, so the eager device backends (torch, CuPy) run the transition on these.
+
+    Args:
+        module: the framework's top-level module (``torch``, ``cupy``): its dtypes and its
+            ``where``, ``logical_*``, ``isfinite``, ``minimum`` and ``maximum``.
+        bool_dtype: the module's boolean dtype.
+        convert: ``convert(x, dtype)``, a conversion (called only when the dtype differs).
+        full: ``full(value, dtype, device)``, a new 0-d array; a fill kernel rather than a
+            host-to-device copy, which would wait for the device.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        bool_dtype: Any,
+        convert: Callable[[Any, Any], Any],
+        full: Callable[[Any, Any, Any], Any],
+    ) -> None:
+        self.bool = bool_dtype
+        self.int32, self.float32, self.float64 = module.int32, module.float32, module.float64
+        self.where, self.isfinite = module.where, module.isfinite
+        self.logical_and, self.logical_or, self.logical_not = module.logical_and, module.logical_or, module.logical_not
+        self.minimum, self.maximum = module.minimum, module.maximum
+        self._convert = convert
+        self._full = full
+
+    def astype(self, x: Any, dtype: Any) -> Any:
+        return x if x.dtype == dtype else self._convert(x, dtype)
+
+    def asarray(self, value: Any, dtype: Any, device: Any = None) -> Any:
+        return self._full(value, dtype, device)

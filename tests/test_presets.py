@@ -370,3 +370,32 @@ def test_every_backend_runs_the_same_transition(framework, preset, steps, interv
         host = host.update(finite)
         device = device.update(ampscale.all_finite([flag if finite else framework.array(np.float32(np.inf))]))
         assert host.state_dict()["ampscale"]["state"] == device.state_dict()["ampscale"]["state"]
+
+
+@pytest.mark.parametrize("preset", sorted(ampscale.PRESETS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=sequences(), interval=st.integers(1, 4), hysteresis=HYST, loss_bad=st.booleans())
+def test_plain_namespace_with_cached_constants_runs_the_same_transition(
+    preset, steps, interval, hysteresis, loss_bad
+) -> None:
+    """The eager GPU backends' transition (framework calls, constants made once and reused
+    across steps) equals the host transition, field by field; NumPy stands in for the module."""
+    from ampscale._core import initial_values, transition
+    from ampscale._ops import ArrayOps, HostOps, PlainNamespace
+
+    config = ampscale.create_scaler(
+        preset=preset, growth_interval=interval, hysteresis=hysteresis, **_extra(preset)
+    ).config
+    xp = PlainNamespace(np, np.bool_, lambda x, dtype: x.astype(dtype), lambda v, dtype, device: np.full((), v, dtype))
+    ops = ArrayOps(config, xp, None, True, cache_constants=True)
+    host_ops = HostOps(config)
+    host = initial_values(config)
+    storage = np.float64 if config.scale_dtype == "float64" else np.float32
+    state = type(host)(*(np.asarray(v, dtype=np.int32 if isinstance(v, int) else storage) for v in host))
+    for finite in steps[:120]:
+        loss_ok = finite or not loss_bad
+        host, host_event = transition(config, host, finite, loss_ok, host_ops)
+        state, event = transition(config, state, np.bool_(finite), np.bool_(loss_ok), ops)
+        assert [float(v) for v in state] == [float(v) for v in host]
+        assert bool(event) == bool(host_event)
+    assert ops._constants  # the constants were cached and reused across the steps

@@ -26,7 +26,7 @@ import cupy
 import numpy as np
 
 from ampscale._errors import PerformanceWarning
-from ampscale._ops import ArrayOps
+from ampscale._ops import ArrayOps, PlainNamespace
 from ampscale.backends._base import Backend
 from ampscale.backends._cupy_plan import CHUNK_DTYPE, KINDS, chunk_table, kernel_source
 
@@ -70,33 +70,15 @@ def _one(device_id: int) -> Any:
     return one
 
 
-class _TransitionNamespace:
-    """The few array-API functions the state transition uses, as plain CuPy calls (each
-    array_api_compat wrapper may add a copy or conversion, and on the GPU each is a launch)."""
+def _full(value: Any, dtype: Any, device: Any) -> Any:
+    if device is None:
+        return cupy.full((), value, dtype=dtype)
+    with device:
+        return cupy.full((), value, dtype=dtype)
 
-    bool = cupy.bool_
-    int32 = cupy.int32
-    float32 = cupy.float32
-    float64 = cupy.float64
-    where = staticmethod(cupy.where)
-    logical_and = staticmethod(cupy.logical_and)
-    logical_or = staticmethod(cupy.logical_or)
-    logical_not = staticmethod(cupy.logical_not)
-    isfinite = staticmethod(cupy.isfinite)
-    minimum = staticmethod(cupy.minimum)
-    maximum = staticmethod(cupy.maximum)
 
-    @staticmethod
-    def astype(x: Any, dtype: Any) -> Any:
-        return x if x.dtype == dtype else x.astype(dtype)
-
-    @staticmethod
-    def asarray(value: Any, dtype: Any, device: Any = None) -> Any:
-        # a fill kernel: no host-to-device copy
-        if device is None:
-            return cupy.full((), value, dtype=dtype)
-        with device:
-            return cupy.full((), value, dtype=dtype)
+#: the transition's operations as plain CuPy calls
+_TRANSITION_XP = PlainNamespace(cupy, cupy.bool_, lambda x, dtype: x.astype(dtype), _full)
 
 
 def _kernel(device_id: int) -> Any:
@@ -141,9 +123,7 @@ class CupyBackend(Backend):
         key = f"cupy:{state.scale.data.device_id}"
         ops = config._cache.get(key)
         if ops is None:
-            ops = config._cache[key] = ArrayOps(
-                config, _TransitionNamespace, state.scale.device, True, cache_constants=True
-            )
+            ops = config._cache[key] = ArrayOps(config, _TRANSITION_XP, state.scale.device, True, cache_constants=True)
         return ops  # type: ignore[no-any-return]
 
     # -- the fused hot path -----------------------------------------------------------------

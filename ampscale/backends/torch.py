@@ -22,7 +22,7 @@ import torch
 
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import INT_FIELDS, ScalerState
-from ampscale._ops import ArrayOps, HostOps
+from ampscale._ops import ArrayOps, HostOps, PlainNamespace
 from ampscale.backends._base import Backend
 
 if TYPE_CHECKING:
@@ -57,33 +57,13 @@ def _is_cpu(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
 
 
-class _TransitionNamespace:
-    """The few array-API functions the state transition uses, as plain torch calls.
-
-    array_api_compat's torch wrappers add a dtype conversion or two per call (for the spec's
-    promotion rules, which the transition never relies on: its operands already share dtypes);
-    on an accelerator each is a kernel launch, so the transition uses torch directly.
-    """
-
-    bool = torch.bool
-    int32 = torch.int32
-    float32 = torch.float32
-    float64 = torch.float64
-    where = staticmethod(torch.where)
-    logical_and = staticmethod(torch.logical_and)
-    logical_or = staticmethod(torch.logical_or)
-    logical_not = staticmethod(torch.logical_not)
-    isfinite = staticmethod(torch.isfinite)
-    minimum = staticmethod(torch.minimum)
-    maximum = staticmethod(torch.maximum)
-
-    @staticmethod
-    def astype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return x if x.dtype == dtype else x.to(dtype)
-
-    @staticmethod
-    def asarray(value: Any, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
-        return torch.full((), value, dtype=dtype, device=device)  # a fill kernel: no host-to-device copy
+#: the transition's operations as plain torch calls (fill kernels for constants)
+_TRANSITION_XP = PlainNamespace(
+    torch,
+    torch.bool,
+    lambda x, dtype: x.to(dtype),
+    lambda value, dtype, device: torch.full((), value, dtype=dtype, device=device),
+)
 
 
 #: float32 elements widened at a time by the 16-bit fallback (256 MiB of copies)
@@ -358,7 +338,7 @@ class TorchBackend(Backend):
         ops = config._cache.get(key)
         if ops is None:
             ops = config._cache[key] = ArrayOps(
-                config, _TransitionNamespace, device, self.has_float64(state.scale), cache_constants=True
+                config, _TRANSITION_XP, device, self.has_float64(state.scale), cache_constants=True
             )
         return ops  # type: ignore[no-any-return]
 
