@@ -283,7 +283,7 @@ class Scaler:
         if backend.host(state):
             values = backend.read_state(state)
             loss_ok = True if loss_finite is None else bool(loss_finite)
-            new_values, floor_event = transition(config, values, bool(finite), loss_ok, ops)
+            new_values, floor_event = ops.run(values, bool(finite), loss_ok)  # type: ignore[union-attr]
             if floor_event and config.on_floor != "ignore":
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))

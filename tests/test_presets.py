@@ -399,3 +399,60 @@ def test_plain_namespace_with_cached_constants_runs_the_same_transition(
         assert [float(v) for v in state] == [float(v) for v in host]
         assert bool(event) == bool(host_event)
     assert ops._constants  # the constants were cached and reused across the steps
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static", "guard"])
+@pytest.mark.parametrize("preset", sorted(SETTINGS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_compiled_host_transition_equals_the_interpreted_one(preset: str, mode: str, data: st.DataObject) -> None:
+    """The host backends run ``transition`` traced and compiled into one function
+    (``HostOps.run``); field by field, value and type, and the floor event, it equals
+    ``transition`` interpreted with ``HostOps``, for every preset's settings and both reasons
+    a step can be skipped (loss or gradients)."""
+    from ampscale._core import initial_values, transition
+    from ampscale._ops import HostOps
+
+    s = data.draw(SETTINGS[preset])
+    if not _valid(preset, s):
+        return
+    steps = data.draw(sequences())
+    loss_bad = data.draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)))
+    if mode == "guard":
+        s = {k: v for k, v in s.items() if k != "init_scale"}  # guard never scales
+    config = ampscale.create_scaler(preset=preset, mode=mode, on_floor="ignore", **s).config
+    ops = HostOps(config)
+    interpreted = compiled = initial_values(config)
+    for finite, loss in zip(steps, loss_bad, strict=True):
+        loss_ok = finite or not loss
+        interpreted, event = transition(config, interpreted, finite, loss_ok, ops)
+        compiled, compiled_event = ops.run(compiled, finite, loss_ok)
+        assert compiled == interpreted
+        assert [type(v) for v in compiled] == [type(v) for v in interpreted]
+        assert type(compiled) is type(interpreted)
+        assert compiled_event is event
+
+
+def test_compiled_transition_source_is_straight_line_code() -> None:
+    """The compiled function has no loops or calls but the memoised grow/shrink and ``bool``;
+    ``grow``/``shrink`` are only evaluated on the branch that takes them."""
+    from ampscale._ops import HostOps
+
+    ops = HostOps(ampscale.create_scaler(preset="megatron").config)
+    source = ops.run.source
+    assert "for " not in source
+    assert "while " not in source
+    assert source.count("_grow(") == 1
+    assert source.count("_shrink(") == 1
+    # conditional operands, not statements evaluated every step
+    assert "(_grow(scale) if " in source
+    assert "(_shrink(scale) if " in source
+
+
+def test_tracing_rejects_a_branch_on_a_value() -> None:
+    """A transition that branched on a state value would be wrong on device backends; tracing
+    it for the host fails loudly instead of baking one branch into the compiled function."""
+    from ampscale._compiled import _Node
+
+    with pytest.raises(TypeError, match="branched on a traced value"):
+        bool(_Node("x") >= 1)
