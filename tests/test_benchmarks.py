@@ -1,0 +1,50 @@
+"""The benchmark command runs for every installed backend and reports every row (a smoke run:
+the figures themselves are never asserted, since this machine is shared and noisy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+RUN = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+INSTALLED = [name for name in ("numpy", "torch", "jax") if importlib.util.find_spec(name) is not None]
+
+
+def test_every_installed_backend_reports_its_rows(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "results.json"
+    command = [sys.executable, str(RUN), "--quick", "--workloads", "W0", "--json", str(out)]
+    done = subprocess.run(
+        [*command, "--backends", ",".join(INSTALLED)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert {row["backend"] for row in rows} == {"limit", *INSTALLED}
+    assert all(row["workload"] == "W0" for row in rows)
+    assert all(math.isfinite(row["seconds"]) and row["seconds"] > 0 for row in rows)
+    for backend in INSTALLED:  # ampscale's own row and at least one anchor to compare with
+        names = [row["name"] for row in rows if row["backend"] == backend]
+        assert any(name.startswith("ampscale") for name in names), names
+        if backend != "jax" or importlib.util.find_spec("jmp") is not None:  # jax's anchor is jmp
+            assert any(row["anchor"] for row in rows if row["backend"] == backend), names
+    assert "x best anchor" in done.stdout  # the printed table
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--workloads", "W9", "unknown workload"), ("--backends", "fortran", "unknown or not installed backend")],
+)
+def test_bad_options_are_named(option: str, value: str, message: str) -> None:
+    done = subprocess.run([sys.executable, str(RUN), option, value], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert value in done.stderr
