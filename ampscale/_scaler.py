@@ -14,7 +14,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale._config import _UNSET, FloorEvent, ScalerConfig, make_config
-from ampscale._core import REASONS, ScalerState, initial_values, transition
+from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
 
@@ -288,14 +288,10 @@ class Scaler:
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))
             return Scaler(config, new_state, backend)
-        fields = backend.unpack(state)
-        finite = backend.as_bool(finite, fields.scale)
-        # ops' own constant for an unchecked loss: on torch and CuPy devices, made once
-        loss_ok = ops.as_bool(True) if loss_finite is None else backend.as_bool(loss_finite, fields.scale)
-        new_fields, floor_event = transition(config, fields, finite, loss_ok, ops)
-        new_state = backend.pack(new_fields)
+        new_state, new_fields, floor_event = backend.run_transition(config, state, finite, loss_finite, ops)
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
+                assert new_fields is not None
                 backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))

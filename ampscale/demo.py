@@ -159,17 +159,20 @@ def loss_and_grads(
 
 
 def adam(
-    xp: Any, params: list[Any], grads: list[Any], state: tuple[list[Any], list[Any], int], lr: float
-) -> tuple[list[Any], tuple[list[Any], list[Any], int]]:
-    """One functional Adam step (works for mutable and immutable arrays alike)."""
-    m, v, t = state
-    t += 1
+    xp: Any, params: list[Any], grads: list[Any], state: tuple[list[Any], list[Any]], lr: float, t: int
+) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+    """One functional Adam step, the ``t``-th applied one (works for mutable and immutable arrays).
+
+    The step count is a Python int kept by the training loop, not part of ``state``: on device
+    backends a skipped step selects the state leaf by leaf, which would turn it into an array.
+    """
+    m, v = state
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     m = [beta1 * mi + (1 - beta1) * g for mi, g in zip(m, grads, strict=False)]
     v = [beta2 * vi + (1 - beta2) * g * g for vi, g in zip(v, grads, strict=False)]
     c1, c2 = 1 - beta1**t, 1 - beta2**t
     params = [p - lr * (mi / c1) / (xp.sqrt(vi / c2) + eps) for p, mi, vi in zip(params, m, v, strict=False)]
-    return params, (m, v, t)
+    return params, (m, v)
 
 
 @dataclasses.dataclass
@@ -209,11 +212,8 @@ def train(
     xp = ar.xp
     teacher, inputs, targets = teacher_and_data(seed)
     params = [ar.asarray(p) for p in student(teacher, seed)]
-    opt_state: tuple[list[Any], list[Any], int] = (
-        [xp.zeros_like(p) for p in params],
-        [xp.zeros_like(p) for p in params],
-        0,
-    )
+    opt_state: tuple[list[Any], list[Any]] = ([xp.zeros_like(p) for p in params], [xp.zeros_like(p) for p in params])
+    applied = 0  # Adam's step count: applied steps only
     half = mode != "fp32"
     scaler = None
     if mode == "fp16 + ampscale":
@@ -230,15 +230,18 @@ def train(
         loss, grads = loss_and_grads(ar, params, x, target, half, scale)
         lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay
         if scaler is None:
-            params, opt_state = adam(xp, params, grads, opt_state, lr_now)
+            applied += 1
+            params, opt_state = adam(xp, params, grads, opt_state, lr_now, applied)
         else:
             scaled_loss = scaler.scale(loss)
 
-            def update(p: Any, g: Any, s: Any, lr_now: float = lr_now) -> Any:
-                return adam(xp, p, g, s, lr_now)
+            def update(p: Any, g: Any, s: Any, lr_now: float = lr_now, t: int = applied + 1) -> Any:
+                return adam(xp, p, g, s, lr_now, t)
 
             params, opt_state, scaler = scaler.step(update, params, grads, opt_state, loss=scaled_loss)
-            if not bool(scaler.outcome.applied):
+            if bool(scaler.outcome.applied):
+                applied += 1
+            else:
                 skipped.append(step)
         losses.append(ar.to_float(loss))
         scales.append(scale)

@@ -190,6 +190,45 @@ def test_jitted_step_needs_no_host_transfer_and_never_retraces() -> None:
     assert scaler.get_scale() == 2.0**18
 
 
+def test_eager_loop_compiles_nothing_after_the_first_steps() -> None:
+    """Eagerly (no jit around the step), with a new update closure every step, the scaler adds
+    no compilation per step: ``step`` selects leaf by leaf instead of tracing ``lax.cond``, and
+    the transition, unpacking and selection are each one cached computation."""
+    import jax.monitoring
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _seconds, **_kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    x, y = jnp.ones((8, 4)), jnp.zeros((8, 3))
+    scaler = ampscale.create_scaler(backend="jax", growth_interval=2)
+    params, count = make_module(), jnp.int32(0)
+
+    def one_step(scaler, params, count, poison, lr):
+        def update(p, g, s):  # a new closure each step, as in a plain Python training loop
+            return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), s + 1
+
+        grads = jax.grad(lambda p: scaler.scale(loss_fn(p, x, y)))(params)
+        scaled_loss = scaler.scale(loss_fn(params, x, y) + poison)
+        params, count, scaler = scaler.step(update, params, grads, count, loss=scaled_loss)
+        return scaler, params, count, bool(scaler.outcome.applied), scaler.get_scale()
+
+    for poison in (0.0, jnp.inf, 0.0):  # warm-up: both outcomes once
+        scaler, params, count, *_ = one_step(scaler, params, count, jnp.float32(poison), 0.1)
+    compiles.clear()
+    seen = []
+    for i, poison in enumerate([0.0, 0.0, jnp.inf, 0.0, jnp.inf, 0.0]):
+        before = params
+        scaler, params, count, applied, scale = one_step(scaler, params, count, jnp.float32(poison), 0.1 / (i + 2))
+        seen.append((applied, scale))
+        if not applied:  # skipped: the inputs, bitwise
+            for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(params), strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert compiles == []
+    assert [a for a, _ in seen] == [True, True, False, True, False, True]
+    assert int(count) == 2 + 4
+
+
 def test_scaler_without_backend_is_a_pytree_from_the_start() -> None:
     scaler = ampscale.create_scaler()  # jax is imported: registered, state created on flatten
     out = jax.jit(lambda s, g: s.unscale(g))(scaler, [jnp.full(2, 2.0**16)])

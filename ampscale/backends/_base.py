@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ampscale import _tree
-from ampscale._core import INT_FIELDS, ScalerState
+from ampscale._core import INT_FIELDS, ScalerState, transition
 from ampscale._ops import ArrayOps, HostOps
 
 if TYPE_CHECKING:
@@ -204,6 +204,22 @@ class Backend(abc.ABC):
     def pack(self, fields: ScalerState) -> Any:
         """The inverse of :meth:`unpack`."""
         return fields
+
+    def run_transition(
+        self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
+    ) -> tuple[Any, ScalerState | None, Any]:
+        """One step of the state machine on device state (host backends use ``ops.run``).
+
+        Returns ``(next stored state, its fields or None, floor_event)``; the fields are needed
+        only when ``floor_event`` is traced (to report from inside a trace), so backends that
+        run the transition as one compiled call eagerly may return ``None`` for them.
+        """
+        fields = self.unpack(state)
+        finite = self.as_bool(finite, fields.scale)
+        # ops' own constant for an unchecked loss: on torch and CuPy devices, made once
+        loss_ok = ops.as_bool(True) if loss_finite is None else self.as_bool(loss_finite, fields.scale)
+        new_fields, floor_event = transition(config, fields, finite, loss_ok, ops)
+        return self.pack(new_fields), new_fields, floor_event
 
     def scale_of(self, state: Any) -> Any:
         """The current scale, a 0-d value of this backend (or a host scalar)."""

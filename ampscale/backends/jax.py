@@ -19,13 +19,14 @@ shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ampscale._config import ScalerConfig
-from ampscale._core import ScalerState, initial_values
+from ampscale._core import ScalerState, initial_values, transition
 from ampscale._ops import ArrayOps
 from ampscale.backends._base import Backend
 
@@ -155,10 +156,26 @@ class JaxBackend(Backend):
         if isinstance(state, ScalerState):
             return state
         scales, counters = state
-        # index the last axis: a state batched by vmap (or stacked by the user) unpacks too
-        fields = {f: scales[..., i] for i, f in enumerate(_SCALE_FIELDS)}
-        fields.update({f: counters[..., i] for i, f in enumerate(_COUNTER_FIELDS)})
-        return ScalerState(**fields)
+        if not isinstance(scales, jax.core.Tracer) and not isinstance(counters, jax.core.Tracer):
+            return ScalerState(*_unpack_jit(scales, counters))  # one dispatch, not twelve
+        return ScalerState(*_unpack(scales, counters))
+
+    def scale_of(self, state: Any) -> Any:
+        if isinstance(state, ScalerState):
+            return state.scale
+        return _scale_jit(state[0]) if not isinstance(state[0], jax.core.Tracer) else state[0][..., 0]
+
+    def run_transition(
+        self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
+    ) -> tuple[Any, ScalerState | None, Any]:
+        traced = any(isinstance(v, jax.core.Tracer) for v in (*state, finite, loss_finite))
+        if traced or isinstance(state, ScalerState):
+            return super().run_transition(config, state, finite, loss_finite, ops)
+        # Eager: the whole transition as one cached computation per config, rather than some
+        # sixty ops dispatched (and each compiled on first use) one by one.
+        loss_ok = jnp.asarray(True) if loss_finite is None else jnp.asarray(loss_finite, dtype=jnp.bool_)
+        new_state, floor_event = _transition_jit(config, state, jnp.asarray(finite, dtype=jnp.bool_), loss_ok)
+        return new_state, None, floor_event
 
     def pack(self, fields: ScalerState) -> PackedState:
         return PackedState(
@@ -208,6 +225,15 @@ class JaxBackend(Backend):
         grads: Any,
         opt_state: Any,
     ) -> tuple[Any, Any]:
+        if not isinstance(finite, jax.core.Tracer):
+            # Eager: lax.cond would trace and compile both branches on every call (its cache is
+            # keyed on the branch functions, new closures each step), ~0.3 s a step. Run the
+            # update op by op and select leaf by leaf instead: no compilation, no host read,
+            # and on a skipped step the returned leaves equal the inputs bitwise. Like cond,
+            # this returns every leaf as an array.
+            new_params, new_opt_state = update_fn(params, grads, opt_state)
+            picked: tuple[Any, Any] = _select_jit(finite, (new_params, new_opt_state), (params, opt_state))
+            return picked
         # lax.cond: the update is not computed on an overflowing step (a select under vmap);
         # the skipped branch returns the inputs themselves, bitwise.
         result: tuple[Any, Any] = jax.lax.cond(
@@ -237,6 +263,32 @@ def _unscale(x: Any, inv_scale: Any) -> Any:
     if x.dtype == jnp.float64:
         return x * inv_scale.astype(jnp.float64)
     return (x.astype(jnp.float32) * inv_scale).astype(x.dtype)
+
+
+def _unpack(scales: Any, counters: Any) -> tuple[Any, ...]:
+    # index the last axis: a state batched by vmap (or stacked by the user) unpacks too
+    fields = {f: scales[..., i] for i, f in enumerate(_SCALE_FIELDS)}
+    fields.update({f: counters[..., i] for i, f in enumerate(_COUNTER_FIELDS)})
+    return tuple(fields[f] for f in ScalerState._fields)
+
+
+_unpack_jit = jax.jit(_unpack)
+_scale_jit = jax.jit(lambda scales: scales[..., 0])
+assert _SCALE_FIELDS[0] == "scale"
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _transition_jit(config: ScalerConfig, state: Any, finite: Any, loss_finite: Any) -> tuple[Any, Any]:
+    backend = BACKEND
+    new_fields, floor_event = transition(config, backend.unpack(state), finite, loss_finite, backend.ops(config, None))
+    return backend.pack(new_fields), floor_event
+
+
+def _select(condition: Any, on_true: Any, on_false: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+
+
+_select_jit = jax.jit(_select)
 
 
 def _eager(leaves: list[Any]) -> bool:
