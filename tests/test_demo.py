@@ -47,3 +47,15 @@ def test_demo_rejects_bad_options(capsys) -> None:
     assert demo.main(["--steps", "5"]) == 2
     with pytest.raises(SystemExit):
         demo.main(["--backend", "tensorflow"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_demo_on_other_backends_follows_the_numpy_run(backend: str) -> None:
+    """``--backend torch|jax`` trains the same model with the same data: the same steps are
+    skipped, the scale follows the same trajectory, the losses agree to rounding."""
+    pytest.importorskip(backend)
+    reference = demo.train("fp16 + ampscale", steps=150)
+    run = demo.train("fp16 + ampscale", backend=backend, steps=150)
+    assert run.skipped == reference.skipped
+    assert run.scales == reference.scales
+    np.testing.assert_allclose(run.losses, reference.losses, rtol=2e-2)
