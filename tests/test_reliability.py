@@ -474,6 +474,30 @@ def test_underflow_fraction_counts_zeros_and_subnormals(fw: Framework) -> None:
     assert bool(finite)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_underflow_count_is_exact_through_the_vector_loops_and_threads(dtype: str) -> None:
+    """The NumPy kernel's count, over arrays long enough for its widest vector loops (64
+    elements an iteration), with odd tails, and a total large enough to split across threads:
+    exactly the number of zero or subnormal inputs, wherever they sit."""
+    rng = np.random.default_rng(7)
+    kind = _np_dtype(dtype)
+    tiny_value = {"float16": 2.0**-20, "bfloat16": 1e-39, "float32": 1e-40, "float64": 1e-310}[dtype]
+    arrays, expected = [], 0
+    for size in (63, 64, 65, 1000, 4099, (1 << 19) + 77):
+        values = rng.standard_normal(size).astype(np.float32).astype(kind)
+        where = rng.random(size) < rng.choice([0.01, 0.3, 0.9])
+        values[where] = np.where(rng.random(where.sum()) < 0.5, 0.0, tiny_value * rng.choice([-1, 1]))
+        arrays.append(values)
+        magnitude = np.abs(values.astype(np.float64))
+        smallest_normal = 2.0**-126 if dtype == "bfloat16" else float(np.finfo(kind).smallest_normal)
+        expected += int(np.count_nonzero(magnitude < smallest_normal))
+    total = sum(a.size for a in arrays)
+    scaler = ampscale.create_scaler(backend="numpy", init_scale=1.0)
+    _, finite, fraction = scaler.unscale(arrays, underflow=True)
+    assert bool(finite)
+    assert round(float(fraction) * total) == expected
+
+
 def test_get_stats_is_plain_and_complete() -> None:
     scaler = ampscale.create_scaler(backend="numpy", init_scale=8.0, growth_interval=2)
     for finite in [True, True, False, True]:
