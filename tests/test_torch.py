@@ -429,3 +429,116 @@ def test_fallback_for_dtypes_the_fused_kernel_lacks_is_bit_exact(monkeypatch, dt
     grads[1][500] = float("nan")
     assert not bool(scaler.unscale(grads)[1])
     assert torch_backend._fused_support[(cpu, dtype)] is False  # the fallback really ran
+
+
+# ------------------------------------------------------------------------------ CPU groups split across threads
+
+needs_two_threads = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the split needs two cores")
+
+
+def _many(dtype, seed: int = 0, count: int = 600) -> list:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 5000, (count,), generator=g).tolist()
+    return [torch.randn(n, generator=g).to(dtype) for n in sizes]
+
+
+def _one_kernel_call(tensors: list, inv: float) -> tuple[list, float]:
+    copies = [t.clone() for t in tensors]
+    found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(copies, found, torch.tensor(inv))
+    return copies, float(found)
+
+
+@needs_two_threads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad_at", [None, 0, 1, 599])
+def test_cpu_groups_split_across_threads_give_the_kernels_bits(monkeypatch, dtype, bad_at) -> None:
+    """Hundreds of small CPU tensors are unscaled by torch's kernel in parallel parts: the
+    result is bit for bit one kernel call's, and an overflow in any part is found."""
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    grads = _many(dtype)
+    if bad_at is not None:
+        grads[bad_at][len(grads[bad_at]) // 2] = float("nan") if bad_at % 2 else float("inf")
+    assert torch_backend._split_ways(grads, dtype) == 2
+    expected, found = _one_kernel_call(grads, 1 / 1024)
+    scaler = ampscale.create_scaler(backend="torch", init_scale=1024.0)
+    scaler.unscale(grads[:1])  # the first call learns that the kernel has this dtype
+    grads[0].mul_(1024)  # undo it exactly (a power of two)
+    out, finite = scaler.unscale(grads)
+    assert bool(finite) == (found == 0.0) == (bad_at is None)
+    for got, want in zip(out, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@needs_two_threads
+def test_split_with_sparse_gradients_takes_the_sparse_path_for_their_part(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    dense = _many(torch.float32, count=300)
+    sparse = torch.sparse_coo_tensor([[1, 3, 3]], [2.0, 4.0, 8.0], (10,), check_invariants=True)  # uncoalesced
+    grads = [*dense, sparse]
+    expected = [t.clone() for t in dense]
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch.zeros(()), torch.tensor(0.5))
+    scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
+    scaler.unscale(dense[:1])
+    dense[0].mul_(2)
+    out, finite = scaler.unscale(grads)
+    assert bool(finite)
+    assert all(torch.equal(a, b) for a, b in zip(out[:-1], expected, strict=True))
+    assert out[-1].coalesce().values().tolist() == [1.0, 6.0]
+
+
+@needs_two_threads
+def test_split_never_leaves_work_half_done_on_uncoalesced_float16(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    dense = _many(torch.float16, count=300)
+    values = torch.tensor([1.0, 2.0], dtype=torch.float16)
+    sparse = torch.sparse_coo_tensor([[1, 1]], values, (4,), check_invariants=True)  # uncoalesced
+    before = [t.clone() for t in dense]
+    scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
+    with pytest.raises(torch_backend.UncoalescedSparseError):
+        scaler.unscale([*dense, sparse])
+    assert all(torch.equal(a, b) for a, b in zip(dense, before, strict=True))
+
+
+def test_no_split_where_worker_threads_would_lose_torch_state(monkeypatch) -> None:
+    """Modes and inference mode are thread-local in torch: with one active the group stays in
+    the calling thread."""
+    from torch.overrides import TorchFunctionMode
+
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch_backend.os, "cpu_count", lambda: 2)
+    grads = _many(torch.float32, count=300)
+    assert torch_backend._split_ways(grads, torch.float32) == 2
+    with TorchFunctionMode():
+        assert torch_backend._split_ways(grads, torch.float32) == 1
+    with torch.inference_mode():
+        assert torch_backend._split_ways(grads, torch.float32) == 1
+    assert torch_backend._split_ways(grads[:100], torch.float32) == 1  # too few to pay off
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 1)  # the user's setting
+    assert torch_backend._split_ways(grads, torch.float32) == 1
+
+
+def _unscale_in_child(queue) -> None:
+    grads = [torch.full((100,), 4.0) for _ in range(300)]
+    out, finite = ampscale.create_scaler(backend="torch", init_scale=4.0).unscale(grads)
+    queue.put((bool(finite), sum(float(t.sum()) for t in out)))
+
+
+@needs_two_threads
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child touches no JAX
+def test_split_still_works_in_a_forked_child(monkeypatch) -> None:
+    """Threads do not survive fork: a child makes its own pool instead of waiting forever."""
+    import multiprocessing
+
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    grads = [torch.full((100,), 4.0) for _ in range(300)]
+    ampscale.create_scaler(backend="torch", init_scale=4.0).unscale(grads)  # the parent's pool
+    ampscale.create_scaler(backend="torch", init_scale=4.0).unscale(grads)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_unscale_in_child, args=(queue,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == (True, 300 * 100.0)

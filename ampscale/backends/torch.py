@@ -15,7 +15,9 @@ updated by the shared transition as tensor operations, asynchronously.
 from __future__ import annotations
 
 import operator
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -68,6 +70,55 @@ _TRANSITION_XP = PlainNamespace(
 
 #: float32 elements widened at a time by the 16-bit fallback (256 MiB of copies)
 _WIDE_BATCH_ELEMENTS = 1 << 26
+
+#: tensors from which a CPU group is split across threads (torch's CPU kernel walks the list
+#: one tensor after another, and runs a tensor below 32768 elements on one thread)
+_SPLIT_MIN_TENSORS = 256
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
+_pool_lock = threading.Lock()
+
+
+def _split_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads, made again in a forked child (threads do not survive fork)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1]._max_workers < workers:
+            _pool = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="ampscale"))
+        return _pool[1]
+
+
+def _split_ways(grads: list[torch.Tensor], dtype: torch.dtype) -> int:
+    """In how many parts to run a CPU group of the fused kernel (1: do not split).
+
+    Only plain tensors, with none of torch's thread-local modes active (function and dispatch
+    modes, inference mode, compilation), since a worker thread would not see them; and not
+    float16 with sparse tensors among them (whose coalescing check must come before any work).
+    """
+    threads = min(torch.get_num_threads(), os.cpu_count() or 1)
+    if threads < 2 or len(grads) < _SPLIT_MIN_TENSORS:
+        return 1
+    if (
+        torch.is_inference_mode_enabled()
+        or torch._C._len_torch_function_stack() > 0
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch.compiler.is_compiling()
+        or not set(map(type, grads)) <= _PLAIN_TYPES
+        or (dtype == torch.float16 and any(map(_IS_SPARSE, grads)))
+    ):
+        return 1
+    return int(min(threads, len(grads) // (_SPLIT_MIN_TENSORS // 2)))
+
+
+def _fused_part(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor) -> NotImplementedError | None:
+    """The fused kernel on one part, in a worker thread: the refusal of a sparse part is returned."""
+    with torch.no_grad():
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        except NotImplementedError as exc:  # the dispatcher refused the whole part: untouched
+            return exc
+    return None
 
 
 def _batches(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -220,7 +271,10 @@ class TorchBackend(Backend):
         supported = _fused_support.get(key)
         if supported is not False:
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+                if device.type == "cpu" and supported:
+                    self._fused_cpu(grads, found_inf, inv, dtype)
+                else:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
                 _fused_support[key] = True
                 return
             except RuntimeError as exc:
@@ -250,6 +304,32 @@ class TorchBackend(Backend):
                 g.copy_(g.float().mul_(inv))
             else:
                 g.mul_(inv)
+
+    def _fused_cpu(self, grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor, dtype: Any) -> None:
+        """torch's fused kernel on CPU tensors, over parts of the list in parallel threads.
+
+        Each part runs the very same kernel on its own tensors with its own flag (the bits are
+        those of one call); the flags are then combined into ``found_inf``. A part refused
+        because it holds sparse tensors is untouched, and goes through the sparse-aware path.
+        """
+        ways = _split_ways(grads, dtype)
+        if ways == 1:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+            return
+        parts = [grads[i::ways] for i in range(ways)]
+        flags = [found_inf] + [torch.zeros((), dtype=torch.float32) for _ in range(ways - 1)]
+        pool = _split_pool(ways - 1)
+        futures = [pool.submit(_fused_part, part, flag, inv) for part, flag in zip(parts[1:], flags[1:], strict=True)]
+        refused = [_fused_part(parts[0], flags[0], inv)] + [future.result() for future in futures]
+        for flag in flags[1:]:
+            torch.maximum(found_inf, flag, out=found_inf)
+        first = refused[0]
+        if first is not None and all(refused):
+            raise first  # nothing was touched: the caller takes the sparse-aware path
+        rest = [t for part, error in zip(parts, refused, strict=True) if error is not None for t in part]
+        if rest:
+            for flag in self.found_inf_and_unscale(rest, inv).values():
+                torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         fast = self._single_group(leaves)
