@@ -96,8 +96,10 @@ def _split_ways(grads: list[torch.Tensor], dtype: torch.dtype) -> int:
     modes, inference mode, compilation), since a worker thread would not see them; and not
     float16 with sparse tensors among them (whose coalescing check must come before any work).
     """
+    if len(grads) < _SPLIT_MIN_TENSORS:
+        return 1
     threads = min(torch.get_num_threads(), os.cpu_count() or 1)
-    if threads < 2 or len(grads) < _SPLIT_MIN_TENSORS:
+    if threads < 2:
         return 1
     if (
         torch.is_inference_mode_enabled()
@@ -232,6 +234,8 @@ class TorchBackend(Backend):
         if not leaves:
             return None
         validated = _scratch.__dict__.pop("validated", None)
+        if len(leaves) == 1:
+            return leaves[0].get_device(), leaves[0]
         dtypes = validated[1] if validated is not None and validated[0] is leaves else set(map(_DTYPE, leaves))
         if len(dtypes) != 1:
             return None
@@ -271,7 +275,7 @@ class TorchBackend(Backend):
         supported = _fused_support.get(key)
         if supported is not False:
             try:
-                if device.type == "cpu" and supported:
+                if supported and len(grads) >= _SPLIT_MIN_TENSORS and device.type == "cpu":
                     self._fused_cpu(grads, found_inf, inv, dtype)
                 else:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
