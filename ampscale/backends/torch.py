@@ -367,6 +367,11 @@ class TorchBackend(Backend):
         return list(leaves), found_inf.logical_not()  # a new tensor: the scratch flag stays ours
 
     def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        if len(leaves) == 1:  # the common loss / single-tensor case, without building sets
+            leaf = leaves[0]
+            if type(leaf) in _PLAIN_TYPES and leaf.dtype.is_floating_point:
+                _scratch.validated = None
+                return
         for kind in set(map(type, leaves)):
             if not issubclass(kind, torch.Tensor):
                 self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
