@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ampscale._config import ScalerConfig
-from ampscale._core import ScalerState, initial_values, transition
+from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps
 from ampscale.backends._base import Backend
 
@@ -173,7 +173,7 @@ class JaxBackend(Backend):
             return super().run_transition(config, state, finite, loss_finite, ops)
         # Eager: the whole transition as one cached computation per config, rather than some
         # sixty ops dispatched (and each compiled on first use) one by one.
-        loss_ok = jnp.asarray(True) if loss_finite is None else jnp.asarray(loss_finite, dtype=jnp.bool_)
+        loss_ok = None if loss_finite is None else jnp.asarray(loss_finite, dtype=jnp.bool_)
         new_state, floor_event = _transition_jit(config, state, jnp.asarray(finite, dtype=jnp.bool_), loss_ok)
         return new_state, None, floor_event
 
@@ -227,13 +227,11 @@ class JaxBackend(Backend):
     ) -> tuple[Any, Any]:
         if not isinstance(finite, jax.core.Tracer):
             # Eager: lax.cond would trace and compile both branches on every call (its cache is
-            # keyed on the branch functions, new closures each step), ~0.3 s a step. Run the
-            # update op by op and select leaf by leaf instead: no compilation, no host read,
-            # and on a skipped step the returned leaves equal the inputs bitwise. Like cond,
-            # this returns every leaf as an array.
-            new_params, new_opt_state = update_fn(params, grads, opt_state)
-            picked: tuple[Any, Any] = _select_jit(finite, (new_params, new_opt_state), (params, opt_state))
-            return picked
+            # keyed on the branch functions, new closures each step), ~0.3 s a step. The default
+            # instead runs the update op by op and selects leaf by leaf (select_tree): no
+            # compilation, no host read, and on a skipped step the returned leaves equal the
+            # inputs bitwise. Like cond, this returns every leaf as an array.
+            return super().apply_if(finite, update_fn, params, grads, opt_state)
         # lax.cond: the update is not computed on an overflowing step (a select under vmap);
         # the skipped branch returns the inputs themselves, bitwise.
         result: tuple[Any, Any] = jax.lax.cond(
@@ -247,7 +245,9 @@ class JaxBackend(Backend):
         return result
 
     def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+        # eagerly one cached computation per tree structure, rather than a dispatch per leaf
+        select = _select if isinstance(condition, jax.core.Tracer) else _select_jit
+        return select(condition, on_true, on_false)
 
     def agree(self, finite: Any, group: Any) -> Any:
         if group is None:
@@ -279,9 +279,11 @@ assert _SCALE_FIELDS[0] == "scale"
 
 @functools.partial(jax.jit, static_argnums=0)
 def _transition_jit(config: ScalerConfig, state: Any, finite: Any, loss_finite: Any) -> tuple[Any, Any]:
-    backend = BACKEND
-    new_fields, floor_event = transition(config, backend.unpack(state), finite, loss_finite, backend.ops(config, None))
-    return backend.pack(new_fields), floor_event
+    """The shared device transition (``Backend.run_transition``), traced once per config."""
+    new_state, _fields, floor_event = Backend.run_transition(
+        BACKEND, config, state, finite, loss_finite, BACKEND.ops(config, None)
+    )
+    return new_state, floor_event
 
 
 def _select(condition: Any, on_true: Any, on_false: Any) -> Any:
