@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["TreeSpec", "flatten", "leaf_paths", "unflatten"]
+__all__ = ["TreeSpec", "flat_spec", "flatten", "leaf_paths", "unflatten"]
 
 _LEAF = 0
 _NONE = 1
@@ -44,7 +44,7 @@ def flatten(tree: Any) -> tuple[list[Any], Any]:
             if item_type is _NONE_TYPE or issubclass(item_type, _CONTAINERS):
                 break
         else:
-            return list(tree), _flat_spec(kind, len(tree))
+            return list(tree), flat_spec(kind, len(tree))
     leaves: list[Any] = []
     spec = _flatten(tree, leaves)
     return leaves, spec
@@ -53,8 +53,11 @@ def flatten(tree: Any) -> tuple[list[Any], Any]:
 _flat_specs: dict[tuple[type, int], TreeSpec] = {}
 
 
-def _flat_spec(kind: type, size: int) -> TreeSpec:
-    """Specs of flat lists and tuples are immutable: share one per (type, length)."""
+def flat_spec(kind: type, size: int) -> TreeSpec:
+    """The spec of a flat ``kind`` (list or tuple) of ``size`` leaves.
+
+    Specs of flat lists and tuples are immutable: one is shared per (type, length).
+    """
     spec = _flat_specs.get((kind, size))
     if spec is None:
         if len(_flat_specs) > 4096:

@@ -111,7 +111,9 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
     if workload == "W0":
         return {"steps": 300 if quick else 1000, "rounds": 5 if quick else 15}
     if workload == "W2":
-        return {"steps": 6 if quick else 20, "rounds": 5 if quick else 11}
+        # short rounds, many of them: a round that a busy neighbour slows down is simply not
+        # the best one, for every case alike
+        return {"steps": 6 if quick else 10, "rounds": 5 if quick else 25}
     # an even number of steps: the scales alternate (x/16, x*16), so every round starts from
     # the same values (an odd count would shrink them 16x a round, into subnormals in float16)
     # many rounds: on a shared machine single rounds of W1 vary by +-15%, more than some of

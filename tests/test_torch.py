@@ -518,6 +518,37 @@ def test_no_split_where_worker_threads_would_lose_torch_state(monkeypatch) -> No
     assert torch_backend._split_ways(grads, torch.float32) == 1
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass: its __torch_function__ would run in the worker thread."""
+
+
+@needs_two_threads
+def test_no_split_for_tensor_subclasses(monkeypatch) -> None:
+    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch_backend.os, "cpu_count", lambda: 2)
+    used = []
+    real_pool = torch_backend._split_pool
+    monkeypatch.setattr(torch_backend, "_split_pool", lambda workers: used.append(workers) or real_pool(workers))
+    scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
+    scaler.unscale([torch.ones(1)])  # the first call learns that the kernel has float32
+
+    def fresh() -> list:
+        return [torch.full((64,), 2.0) for _ in range(300)]
+
+    out, finite = scaler.unscale(fresh())
+    assert bool(finite)
+    assert used == [1]  # a plain list is split
+    assert all(torch.equal(t, torch.full((64,), 1.0)) for t in out)
+    one_marked = fresh()
+    one_marked[150] = one_marked[150].as_subclass(_Marked)
+    for grads in (one_marked, tuple(t.as_subclass(_Marked) for t in fresh())):
+        used.clear()
+        out, finite = scaler.unscale(grads)
+        assert bool(finite)
+        assert used == []  # one subclass anywhere keeps the work in this thread
+        assert all(torch.equal(t.as_subclass(torch.Tensor), torch.full((64,), 1.0)) for t in out)
+
+
 def _unscale_in_child(queue) -> None:
     grads = [torch.full((100,), 4.0) for _ in range(300)]
     out, finite = ampscale.create_scaler(backend="torch", init_scale=4.0).unscale(grads)

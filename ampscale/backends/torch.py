@@ -18,10 +18,12 @@ import operator
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ampscale import _tree
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
@@ -74,6 +76,9 @@ _WIDE_BATCH_ELEMENTS = 1 << 26
 #: tensors from which a CPU group is split across threads (torch's CPU kernel walks the list
 #: one tensor after another, and runs a tensor below 32768 elements on one thread)
 _SPLIT_MIN_TENSORS = 256
+#: tensors per piece of a split group (fewer for short lists, so each thread gets several)
+_PIECE_TENSORS = 128
+_PIECE_MIN_TENSORS = 32
 _PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
@@ -89,12 +94,13 @@ def _split_pool(workers: int) -> ThreadPoolExecutor:
         return _pool[1]
 
 
-def _split_ways(grads: list[torch.Tensor], dtype: torch.dtype) -> int:
+def _split_ways(grads: list[torch.Tensor], dtype: torch.dtype, plain: bool | None = None) -> int:
     """In how many parts to run a CPU group of the fused kernel (1: do not split).
 
     Only plain tensors, with none of torch's thread-local modes active (function and dispatch
     modes, inference mode, compilation), since a worker thread would not see them; and not
     float16 with sparse tensors among them (whose coalescing check must come before any work).
+    ``plain``: whether every item is known to be a plain tensor (``None``: look).
     """
     if len(grads) < _SPLIT_MIN_TENSORS:
         return 1
@@ -106,21 +112,33 @@ def _split_ways(grads: list[torch.Tensor], dtype: torch.dtype) -> int:
         or torch._C._len_torch_function_stack() > 0
         or torch._C._len_torch_dispatch_stack() > 0
         or torch.compiler.is_compiling()
-        or not set(map(type, grads)) <= _PLAIN_TYPES
+        or not (set(map(type, grads)) <= _PLAIN_TYPES if plain is None else plain)
         or (dtype == torch.float16 and any(map(_IS_SPARSE, grads)))
     ):
         return 1
     return int(min(threads, len(grads) // (_SPLIT_MIN_TENSORS // 2)))
 
 
-def _fused_part(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor) -> NotImplementedError | None:
-    """The fused kernel on one part, in a worker thread: the refusal of a sparse part is returned."""
-    with torch.no_grad():
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-        except NotImplementedError as exc:  # the dispatcher refused the whole part: untouched
-            return exc
-    return None
+def _fused_pieces(
+    pieces: SimpleQueue[list[torch.Tensor]], found_inf: torch.Tensor, inv: torch.Tensor
+) -> list[tuple[list[torch.Tensor], NotImplementedError]]:
+    """Run the fused kernel on pieces taken from ``pieces`` until none is left.
+
+    Every thread of a split group runs this: a thread takes the next piece when it is free,
+    so one that the machine preempts holds the others up by one piece at most. A piece the
+    dispatcher refuses (it holds sparse tensors) is untouched, and is returned with the error.
+    """
+    refused: list[tuple[list[torch.Tensor], NotImplementedError]] = []
+    with torch.no_grad():  # grad mode is thread-local; the caller's thread has it off already
+        while True:
+            try:
+                piece = pieces.get_nowait()
+            except Empty:
+                return refused
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(piece, found_inf, inv)
+            except NotImplementedError as exc:
+                refused.append((piece, exc))
 
 
 def _batches(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -148,6 +166,16 @@ class TorchBackend(Backend):
         self._constants: dict[tuple[float, torch.device], torch.Tensor] = {}
 
     # -- arrays ----------------------------------------------------------------------------
+    def flatten(self, tree: Any) -> tuple[list[Any], Any]:
+        kind = type(tree)
+        if (kind is list or kind is tuple) and set(map(type, tree)) <= _PLAIN_TYPES:
+            # a flat list of plain tensors, the usual gradients: validate() and the thread
+            # split need not look at the types again
+            leaves = list(tree)
+            _scratch.plain = leaves
+            return leaves, _tree.flat_spec(kind, len(leaves))
+        return _tree.flatten(tree)
+
     def owns(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor)
 
@@ -229,20 +257,25 @@ class TorchBackend(Backend):
         return found
 
     @staticmethod
-    def _single_group(leaves: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor] | None:
-        """``(device index, first leaf)`` when all leaves share a device and a dtype."""
+    def _single_group(leaves: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor, bool | None] | None:
+        """``(device index, first leaf, plain)`` when all leaves share a device and a dtype.
+
+        ``plain``: whether all leaves are known to be plain tensors (``None``: not known).
+        """
         if not leaves:
             return None
         validated = _scratch.__dict__.pop("validated", None)
+        if validated is None or validated[0] is not leaves:
+            validated = None
         if len(leaves) == 1:
-            return leaves[0].get_device(), leaves[0]
-        dtypes = validated[1] if validated is not None and validated[0] is leaves else set(map(_DTYPE, leaves))
+            return leaves[0].get_device(), leaves[0], None
+        dtypes = set(map(_DTYPE, leaves)) if validated is None else validated[1]
         if len(dtypes) != 1:
             return None
         devices = set(map(_GET_DEVICE, leaves))
         if len(devices) != 1:
             return None
-        return devices.pop(), leaves[0]
+        return devices.pop(), leaves[0], None if validated is None else validated[2]
 
     def _found_inf(self, device: torch.device, scratch: bool) -> torch.Tensor:
         if not scratch:
@@ -270,13 +303,14 @@ class TorchBackend(Backend):
         inv: torch.Tensor,
         device: torch.device,
         dtype: torch.dtype,
+        plain: bool | None = None,
     ) -> None:
         key = (device, dtype)
         supported = _fused_support.get(key)
         if supported is not False:
             try:
                 if supported and len(grads) >= _SPLIT_MIN_TENSORS and device.type == "cpu":
-                    self._fused_cpu(grads, found_inf, inv, dtype)
+                    self._fused_cpu(grads, found_inf, inv, dtype, plain)
                 else:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
                 _fused_support[key] = True
@@ -309,37 +343,57 @@ class TorchBackend(Backend):
             else:
                 g.mul_(inv)
 
-    def _fused_cpu(self, grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor, dtype: Any) -> None:
-        """torch's fused kernel on CPU tensors, over parts of the list in parallel threads.
+    def _fused_cpu(
+        self,
+        grads: list[torch.Tensor],
+        found_inf: torch.Tensor,
+        inv: torch.Tensor,
+        dtype: Any,
+        plain: bool | None = None,
+    ) -> None:
+        """torch's fused kernel on CPU tensors, over pieces of the list in parallel threads.
 
-        Each part runs the very same kernel on its own tensors with its own flag (the bits are
-        those of one call); the flags are then combined into ``found_inf``. A part refused
-        because it holds sparse tensors is untouched, and goes through the sparse-aware path.
+        The list is cut into contiguous pieces (each thread then streams through neighbouring
+        memory), which the calling thread and the workers take one at a time. Each piece runs
+        the very same kernel, each thread with its own flag (the bits are those of one call);
+        the flags are then combined into ``found_inf``. A piece refused because it holds sparse
+        tensors is untouched, and goes through the sparse-aware path.
         """
-        ways = _split_ways(grads, dtype)
+        ways = _split_ways(grads, dtype, plain)
         if ways == 1:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
             return
-        parts = [grads[i::ways] for i in range(ways)]
-        flags = [found_inf] + [torch.zeros((), dtype=torch.float32) for _ in range(ways - 1)]
+        size = max(_PIECE_MIN_TENSORS, min(_PIECE_TENSORS, len(grads) // (4 * ways)))
+        pieces: SimpleQueue[list[torch.Tensor]] = SimpleQueue()
+        for start in range(0, len(grads), size):
+            pieces.put(grads[start : start + size])
+        flags = [torch.zeros((), dtype=torch.float32) for _ in range(ways - 1)]
         pool = _split_pool(ways - 1)
-        futures = [pool.submit(_fused_part, part, flag, inv) for part, flag in zip(parts[1:], flags[1:], strict=True)]
-        refused = [_fused_part(parts[0], flags[0], inv)] + [future.result() for future in futures]
-        for flag in flags[1:]:
+        futures = [pool.submit(_fused_pieces, pieces, flag, inv) for flag in flags]
+        try:
+            refused = _fused_pieces(pieces, found_inf, inv)
+        finally:  # never return (or raise) while a worker may still be writing
+            for future in futures:
+                exception = future.exception()
+                if exception is not None:
+                    raise exception
+        for future in futures:
+            refused += future.result()
+        for flag in flags:
             torch.maximum(found_inf, flag, out=found_inf)
-        first = refused[0]
-        if first is not None and all(refused):
-            raise first  # nothing was touched: the caller takes the sparse-aware path
-        rest = [t for part, error in zip(parts, refused, strict=True) if error is not None for t in part]
-        if rest:
-            for flag in self.found_inf_and_unscale(rest, inv).values():
-                torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
+        if not refused:
+            return
+        rest = [t for piece, _ in refused for t in piece]
+        if len(rest) == len(grads):
+            raise refused[0][1]  # nothing was touched: the caller takes the sparse-aware path
+        for flag in self.found_inf_and_unscale(rest, inv).values():
+            torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         fast = self._single_group(leaves)
         if fast is not None:
             # One device, one dtype: a single kernel launch on a per-thread scratch flag.
-            device_index, first = fast
+            device_index, first, plain = fast
             flags: dict[int, torch.Tensor] = _scratch.__dict__.setdefault("flags", {})
             flag = flags.get(device_index)
             if flag is None:
@@ -349,13 +403,14 @@ class TorchBackend(Backend):
             inv = self._inverse_on(inv_scale, first.device)
             previous = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
+            grads = leaves if type(leaves) is list else list(leaves)
             try:
-                self._check_and_unscale_group(list(leaves), flag, inv, first.device, first.dtype)
+                self._check_and_unscale_group(grads, flag, inv, first.device, first.dtype, plain)
             except NotImplementedError:
                 if not any(leaf.is_sparse for leaf in leaves):
                     raise
             else:
-                return list(leaves), flag.logical_not()  # a new tensor: the scratch flag stays ours
+                return grads, flag.logical_not()  # a new tensor: the scratch flag stays ours
             finally:
                 torch._C._set_grad_enabled(previous)
         found = self.found_inf_and_unscale(leaves, inv_scale, scratch=True)
@@ -367,17 +422,21 @@ class TorchBackend(Backend):
         return list(leaves), found_inf.logical_not()  # a new tensor: the scratch flag stays ours
 
     def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+        plain = _scratch.__dict__.pop("plain", None) is leaves  # flatten() made this list
         if len(leaves) == 1:  # the common loss / single-tensor case, without building sets
             leaf = leaves[0]
             if type(leaf) in _PLAIN_TYPES and leaf.dtype.is_floating_point:
                 _scratch.validated = None
                 return
-        for kind in set(map(type, leaves)):
-            if not issubclass(kind, torch.Tensor):
-                self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
+        if not plain:
+            types = set(map(type, leaves))
+            for kind in types:
+                if not issubclass(kind, torch.Tensor):
+                    self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
+            plain = types <= _PLAIN_TYPES
         dtypes = set(map(_DTYPE, leaves))
-        # check_and_unscale, called next with this list, reuses the set (one pass, not two)
-        _scratch.validated = (leaves, dtypes)
+        # check_and_unscale, called next with this list, reuses what was learnt (one pass each)
+        _scratch.validated = (leaves, dtypes, plain)
         for dtype in dtypes:
             if not dtype.is_floating_point:
                 index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
