@@ -55,7 +55,8 @@ def round_to_half_numpy(x: np.ndarray) -> np.ndarray:
     odd = (magnitude >> np.uint32(13)) & np.uint32(1)
     normal = ((magnitude + np.uint32(0xFFF) + odd) & np.uint32(0xFFFFE000)).view(np.float32)
     # below 2**-14 the float16 step is 2**-24, the float32 unit of 0.5: add and subtract it
-    subnormal = (np.abs(x) + np.float32(0.5)) - np.float32(0.5)
+    with np.errstate(invalid="ignore"):  # signalling NaNs flag "invalid"; their lanes keep x below
+        subnormal = (np.abs(x) + np.float32(0.5)) - np.float32(0.5)
     out = np.where(magnitude < np.uint32(0x38800000), subnormal, normal)
     out = np.where(magnitude >= np.uint32(0x477FF000), np.float32(np.inf), out)
     out = np.where(magnitude > np.uint32(0x7F800000), x, out)  # nan stays nan
