@@ -397,26 +397,38 @@ class GradScaler:
         return self._scaler.get_scale()
 
     def get_growth_factor(self) -> float:
-        return float(self.config.growth_factor)
+        return float(self._setting("growth_factor"))
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._replace_settings(growth_factor=new_factor)
+        self._replace_setting("growth_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
-        return float(self.config.backoff_factor)
+        return float(self._setting("backoff_factor"))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._replace_settings(backoff_factor=new_factor)
+        self._replace_setting("backoff_factor", new_factor)
 
     def get_growth_interval(self) -> int:
-        return int(self.config.growth_interval)
+        return int(self._setting("growth_interval"))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._replace_settings(growth_interval=new_interval)
+        self._replace_setting("growth_interval", new_interval)
 
-    def _replace_settings(self, **settings: Any) -> None:
+    def _setting(self, name: str) -> Any:
+        if self._enabled:
+            return getattr(self.config, name)
+        # torch keeps no settings when disabled: only what a setter stored since
+        stored = self.__dict__.get("_disabled_settings", {})
+        if name not in stored:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_{name}'")
+        return stored[name]
+
+    def _replace_setting(self, name: str, value: Any) -> None:
+        if not self._enabled:  # as torch: stored, unchecked and unused
+            self.__dict__.setdefault("_disabled_settings", {})[name] = value
+            return
         try:
-            self._scaler = self._scaler.replace(**settings)
+            self._scaler = self._scaler.replace(**{name: value})
         except ValueError as exc:
             raise SettingError(str(exc)) from None
 
