@@ -218,17 +218,19 @@ class GradScaler:
 
     # -- unscale ----------------------------------------------------------------------------
     def _unscale_grads_(self, optimizer: Any, inv_scale: Any, allow_fp16: bool = True) -> dict[torch.device, Any]:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        # each .grad is read once: with thousands of parameters the reads are a large part of the step
+        grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
         try:
             found = BACKEND.found_inf_and_unscale(grads, inv_scale)
         except UncoalescedSparseError:
             # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
             with torch.no_grad():
-                for p in params:
-                    if p.grad.is_sparse and p.grad.dtype is torch.float16:
-                        p.grad = p.grad.coalesce()
-            found = BACKEND.found_inf_and_unscale([p.grad for p in params], inv_scale)
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None and p.grad.is_sparse and p.grad.dtype is torch.float16:
+                            p.grad = p.grad.coalesce()
+            grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+            found = BACKEND.found_inf_and_unscale(grads, inv_scale)
         state = self._require_initialized("unscale_")
         home = state.scale.device if isinstance(state.scale, torch.Tensor) else torch.device("cpu")
         if not found:

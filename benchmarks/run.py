@@ -17,8 +17,8 @@ and to the best anchor installed, all measured in the same run:
 
 Every step alternates between scales 16 and 1/16 so the data keeps its magnitude and never
 drifts into subnormals (which would slow every implementation down). For each workload the
-rounds of all cases (L included) are interleaved, and each case keeps its best round, so
-ratios compare numbers taken at the same moments of this run.
+rounds of all cases (L included) are interleaved, in a new order every round, and each case
+keeps its best round, so ratios compare numbers taken at the same moments of this run.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -125,7 +126,8 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     """Best mean seconds per step of every case, with the rounds of all cases interleaved.
 
     Interleaving makes the machine's drift (shared CPUs, frequency changes) hit every case
-    alike, so the ratios compare numbers taken at the same moments.
+    alike, so the ratios compare numbers taken at the same moments. The order of the cases is
+    shuffled every round (with a fixed seed), so no case always runs right after the same one.
     """
     if steps % 2:
         raise ValueError(f"steps must be even (the scales alternate, keeping the data's magnitude); got {steps}")
@@ -134,8 +136,13 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
             case.step(i)
         case.sync()
     best = {id(case): float("inf") for case in cases}
+    # A new order every round: in a fixed order a case would always follow the same one, e.g.
+    # L, whose OpenMP threads keep spinning on the cores for milliseconds after it returns.
+    shuffler = random.Random(0)
+    order = list(cases)
     for _ in range(rounds):
-        for case in cases:
+        shuffler.shuffle(order)
+        for case in order:
             gc.disable()
             start = time.perf_counter()
             for i in range(steps):
