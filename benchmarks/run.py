@@ -109,12 +109,12 @@ class Result:
 
 
 def budget(workload: str, quick: bool) -> dict[str, int]:
+    # W0 and W2: short rounds, many of them (cheap here): on a shared machine a round that a
+    # busy neighbour slows down is then simply not the best one, for every case alike
     if workload == "W0":
-        return {"steps": 300 if quick else 1000, "rounds": 5 if quick else 15}
+        return {"steps": 300 if quick else 500, "rounds": 5 if quick else 41}
     if workload == "W2":
-        # short rounds, many of them: a round that a busy neighbour slows down is simply not
-        # the best one, for every case alike
-        return {"steps": 6 if quick else 10, "rounds": 5 if quick else 25}
+        return {"steps": 6 if quick else 10, "rounds": 5 if quick else 41}
     # an even number of steps: the scales alternate (x/16, x*16), so every round starts from
     # the same values (an odd count would shrink them 16x a round, into subnormals in float16)
     # many rounds: on a shared machine single rounds of W1 vary by +-15%, more than some of
