@@ -119,7 +119,7 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
     # the same values (an odd count would shrink them 16x a round, into subnormals in float16)
     # many rounds: on a shared machine single rounds of W1 vary by +-15%, more than some of
     # the differences measured (the rounds are cheap next to the setup)
-    return {"steps": 2 if quick else 4, "rounds": 3 if quick else 21}
+    return {"steps": 2, "rounds": 3 if quick else 31}
 
 
 def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
@@ -127,7 +127,8 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
 
     Interleaving makes the machine's drift (shared CPUs, frequency changes) hit every case
     alike, so the ratios compare numbers taken at the same moments. The order of the cases is
-    shuffled every round (with a fixed seed), so no case always runs right after the same one.
+    shuffled every round (with a fixed seed), and each round of a case starts with one untimed
+    step of that case, so no case's time depends on which one ran before it.
     """
     if steps % 2:
         raise ValueError(f"steps must be even (the scales alternate, keeping the data's magnitude); got {steps}")
@@ -140,12 +141,22 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     # L, whose OpenMP threads keep spinning on the cores for milliseconds after it returns.
     shuffler = random.Random(0)
     order = list(cases)
+    untimed = 0
     for _ in range(rounds):
         shuffler.shuffle(order)
         for case in order:
             gc.disable()
+            # One untimed step first, so each round starts from the state this case leaves
+            # (torch's OpenMP threads awake or asleep, caches), not whichever case ran before.
+            # Cases share their arrays: a run of a case is steps base, base + 1, ..., base +
+            # steps (its scales alternate), and base alternates from one run to the next, so
+            # the data stays within one factor of 16 of where it started.
+            base = untimed % 2
+            untimed += 1
+            case.step(base)
+            case.sync()
             start = time.perf_counter()
-            for i in range(steps):
+            for i in range(base + 1, base + 1 + steps):
                 case.step(i)
             case.sync()
             elapsed = (time.perf_counter() - start) / steps
