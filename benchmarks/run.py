@@ -119,7 +119,7 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
     # the same values (an odd count would shrink them 16x a round, into subnormals in float16)
     # many rounds: on a shared machine single rounds of W1 vary by +-15%, more than some of
     # the differences measured (the rounds are cheap next to the setup)
-    return {"steps": 2, "rounds": 3 if quick else 31}
+    return {"steps": 2, "rounds": 3 if quick else 25}
 
 
 def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
@@ -141,25 +141,23 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     # L, whose OpenMP threads keep spinning on the cores for milliseconds after it returns.
     shuffler = random.Random(0)
     order = list(cases)
-    untimed = 0
     for _ in range(rounds):
         shuffler.shuffle(order)
         for case in order:
             gc.disable()
             # One untimed step first, so each round starts from the state this case leaves
-            # (torch's OpenMP threads awake or asleep, caches), not whichever case ran before.
-            # Cases share their arrays: a run of a case is steps base, base + 1, ..., base +
-            # steps (its scales alternate), and base alternates from one run to the next, so
-            # the data stays within one factor of 16 of where it started.
-            base = untimed % 2
-            untimed += 1
-            case.step(base)
+            # (torch's OpenMP threads awake or asleep, caches), not whichever case ran before;
+            # cases share their arrays, so one more untimed step after the timed ones (an
+            # even number) undoes its scale: every run leaves the data where it found it.
+            case.step(1)
             case.sync()
             start = time.perf_counter()
-            for i in range(base + 1, base + 1 + steps):
+            for i in range(steps):
                 case.step(i)
             case.sync()
             elapsed = (time.perf_counter() - start) / steps
+            case.step(0)
+            case.sync()
             gc.enable()
             best[id(case)] = min(best[id(case)], elapsed)
     return [

@@ -52,21 +52,27 @@ def test_bad_options_are_named(option: str, value: str, message: str) -> None:
 
 def test_shared_data_keeps_its_magnitude_through_a_measurement() -> None:
     """Cases share their arrays and each step multiplies them by one of the alternating scales:
-    through untimed and timed steps of many cases and rounds, the data stays within one factor
-    of 16 of where it started (it never drifts into overflow or subnormals)."""
+    through the untimed and timed steps of many cases and rounds, the shared data stays within
+    one factor of 16 and every run of a case leaves it where it found it."""
     sys.path.insert(0, str(RUN.parent))
     try:
         import run
     finally:
         sys.path.remove(str(RUN.parent))
-    value = [1.0]
+    shared, other = [1.0], [1.0]
     seen = []
 
-    def step(i: int) -> None:
-        value[0] *= run.SCALES[i % 2]
-        seen.append(value[0])
+    def stepper(value: list) -> object:
+        def step(i: int) -> None:
+            value[0] *= run.SCALES[i % 2]
+            seen.append(shared[0])
 
-    cases = [run.Case("numpy", "W0", f"case {k}", step, 1) for k in range(5)]
+        return step
+
+    cases = [run.Case("numpy", "W0", f"shared {k}", stepper(shared), 1) for k in range(3)]
+    cases += [run.Case("torch", "W0", f"other {k}", stepper(other), 1) for k in range(2)]
     run.measure(cases, steps=2, rounds=9)
     assert min(seen) >= 1 / 16
     assert max(seen) <= 16
+    assert shared == [1.0]
+    assert other == [1.0]
