@@ -75,6 +75,12 @@ class StepResult:
         return bool(self.applied)
 
 
+def _grads_of(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's gradients, each ``.grad`` read once (with thousands of parameters the
+    reads are a large part of the step)."""
+    return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+
+
 def _fresh_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
@@ -122,6 +128,7 @@ class GradScaler:
         self._per_optimizer_states: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._losses: list[torch.Tensor] = []
         self._last_loss_finite: torch.Tensor | None = None
+        self._disabled_settings: dict[str, Any] = {}  # what setters store while disabled, as torch
         if not self._enabled:
             return
         try:
@@ -218,8 +225,7 @@ class GradScaler:
 
     # -- unscale ----------------------------------------------------------------------------
     def _unscale_grads_(self, optimizer: Any, inv_scale: Any, allow_fp16: bool = True) -> dict[torch.device, Any]:
-        # each .grad is read once: with thousands of parameters the reads are a large part of the step
-        grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+        grads = _grads_of(optimizer)
         try:
             found = BACKEND.found_inf_and_unscale(grads, inv_scale)
         except UncoalescedSparseError:
@@ -229,8 +235,7 @@ class GradScaler:
                     for p in group["params"]:
                         if p.grad is not None and p.grad.is_sparse and p.grad.dtype is torch.float16:
                             p.grad = p.grad.coalesce()
-            grads = [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
-            found = BACKEND.found_inf_and_unscale(grads, inv_scale)
+            found = BACKEND.found_inf_and_unscale(_grads_of(optimizer), inv_scale)
         state = self._require_initialized("unscale_")
         home = state.scale.device if isinstance(state.scale, torch.Tensor) else torch.device("cpu")
         if not found:
@@ -420,14 +425,13 @@ class GradScaler:
         if self._enabled:
             return getattr(self.config, name)
         # torch keeps no settings when disabled: only what a setter stored since
-        stored = self.__dict__.get("_disabled_settings", {})
-        if name not in stored:
+        if name not in self._disabled_settings:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '_{name}'")
-        return stored[name]
+        return self._disabled_settings[name]
 
     def _replace_setting(self, name: str, value: Any) -> None:
         if not self._enabled:  # as torch: stored, unchecked and unused
-            self.__dict__.setdefault("_disabled_settings", {})[name] = value
+            self._disabled_settings[name] = value
             return
         try:
             self._scaler = self._scaler.replace(**{name: value})
