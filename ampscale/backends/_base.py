@@ -121,8 +121,10 @@ class Backend(abc.ABC):
         """Check every leaf for inf/nan and multiply it by ``inv_scale`` (``None``: check only).
 
         Returns the unscaled leaves (the same objects where they were unscaled in place) and a
-        0-d bool that is true when every element of every leaf was finite. The check is on the
-        input values, exactly, with no reduction that a finite input could overflow.
+        0-d bool that is true when every unscaled value is finite: the check is on the values
+        written (on the inputs when ``inv_scale`` is ``None``), exactly, with no reduction that
+        a finite value could overflow. So with a scale below 1, a finite input whose unscaled
+        value overflows makes the flag false.
         """
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:

@@ -1,12 +1,16 @@
 /*
  * Fused overflow check + unscale for the NumPy backend.
  *
- * One pass over memory: every element is read once, its exponent bits are tested for inf/nan
- * (exact: no sum or norm that a finite input could overflow), it is multiplied by the inverse
- * scale in float32 (float64 for double arrays) and written back once, rounded to nearest-even.
- * This is the arithmetic of torch's `_amp_foreach_non_finite_check_and_unscale_`: the check is
- * on the input value, the product is formed in float32 "opmath", and a multiply by exactly 1 is
- * skipped.
+ * One pass over memory: every element is read once, multiplied by the inverse scale in float32
+ * (float64 for double arrays), rounded to nearest-even in its own dtype and written back once;
+ * the exponent bits of the value *stored* are tested for inf/nan (exact: no sum or norm that a
+ * finite input could overflow). The product is torch's `_amp_foreach_non_finite_check_and_unscale_`
+ * arithmetic (float32 "opmath"; a multiply by exactly 1 is skipped). Testing the stored value
+ * rather than the input is exact in every case and costs nothing, the value being in a register:
+ * an inf or nan input stays inf or nan for every inverse scale > 0; a finite input whose unscaled
+ * value overflows (a scale below 1, float16 results rounding to inf included) is caught; and an
+ * inverse scale of inf turns 0 into nan. So "finite" means every value written is finite. Calls
+ * that only check (no multiply, or an inverse scale of exactly 1) test the inputs.
  *
  * The Python side (`ampscale/backends/numpy.py`) groups arrays by dtype and passes only
  * contiguous buffers; it calls `check_and_unscale(arrays, kind, inv_scale, multiply, threads)`.
@@ -28,9 +32,30 @@
 #define AMPSCALE_THREADS 0
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if defined(AMPSCALE_EMULATE_AVX512)
+/* Test builds only (tests/test_native_emulated.py): every SIMD kernel, the AVX-512 ones included,
+ * compiled with SIMDe's portable versions of the intrinsics, so that a CPU without AVX-512 runs
+ * and tests them. Never a release build: emulated intrinsics are many times slower. */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+#include <simde/x86/fma.h>
+#define AMPSCALE_X86_DISPATCH 1
+#define AMPSCALE_CPU_HAS(feature) 1
+#define AVX2_TARGET
+#define AVX512_TARGET
+typedef simde__mmask8 __mmask8;
+typedef simde__mmask16 __mmask16;
+typedef simde__mmask32 __mmask32;
+#ifndef _MM_FROUND_NO_EXC
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
+#elif (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define AMPSCALE_X86_DISPATCH 1
+#define AMPSCALE_CPU_HAS(feature) __builtin_cpu_supports(feature)
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 #else
 #define AMPSCALE_X86_DISPATCH 0
 #endif
@@ -105,6 +130,81 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+#if defined(AMPSCALE_EMULATE_AVX512)
+/* The few AVX-512 intrinsics SIMDe 0.7 lacks, lane by lane (conversions as the instructions do
+ * them: half <-> float round to nearest even, 32 -> 16 bits truncate). */
+#define EMULATED_LANES(type, name, count, src) \
+    type name[count];                          \
+    memcpy(name, &(src), sizeof name)
+static inline __m512 emulated_cvtph_ps(__m256i h) {
+    EMULATED_LANES(uint16_t, in, 16, h);
+    float out[16];
+    for (int k = 0; k < 16; k++) out[k] = half_to_float(in[k]);
+    __m512 r;
+    memcpy(&r, out, sizeof out);
+    return r;
+}
+static inline __m256i emulated_cvtps_ph(__m512 f, int rounding) {
+    (void)rounding;
+    EMULATED_LANES(float, in, 16, f);
+    uint16_t out[16];
+    for (int k = 0; k < 16; k++) out[k] = float_to_half(in[k]);
+    __m256i r;
+    memcpy(&r, out, sizeof out);
+    return r;
+}
+static inline __mmask32 emulated_cmpeq_epi16_mask(__m512i a, __m512i b) {
+    EMULATED_LANES(uint16_t, x, 32, a);
+    EMULATED_LANES(uint16_t, y, 32, b);
+    __mmask32 m = 0;
+    for (int k = 0; k < 32; k++) m |= (__mmask32)(x[k] == y[k]) << k;
+    return m;
+}
+static inline __m512i emulated_cvtepu16_epi32(__m256i a) {
+    EMULATED_LANES(uint16_t, in, 16, a);
+    uint32_t out[16];
+    for (int k = 0; k < 16; k++) out[k] = in[k];
+    __m512i r;
+    memcpy(&r, out, sizeof out);
+    return r;
+}
+static inline __m256i emulated_cvtepi32_epi16(__m512i a) {
+    EMULATED_LANES(uint32_t, in, 16, a);
+    uint16_t out[16];
+    for (int k = 0; k < 16; k++) out[k] = (uint16_t)in[k];
+    __m256i r;
+    memcpy(&r, out, sizeof out);
+    return r;
+}
+static inline int emulated_reduce_add_epi32(__m512i a) {
+    EMULATED_LANES(uint32_t, in, 16, a);
+    uint32_t sum = 0;
+    for (int k = 0; k < 16; k++) sum += in[k];
+    return (int)sum;
+}
+/* SIMDe 0.7.4's testz answers 1 for some non-zero operands: replaced too. */
+static inline int emulated_testz_si128(__m128i a, __m128i b) {
+    EMULATED_LANES(uint64_t, x, 2, a);
+    EMULATED_LANES(uint64_t, y, 2, b);
+    return ((x[0] & y[0]) | (x[1] & y[1])) == 0;
+}
+static inline int emulated_testz_si256(__m256i a, __m256i b) {
+    EMULATED_LANES(uint64_t, x, 4, a);
+    EMULATED_LANES(uint64_t, y, 4, b);
+    return ((x[0] & y[0]) | (x[1] & y[1]) | (x[2] & y[2]) | (x[3] & y[3])) == 0;
+}
+#undef _mm_testz_si128
+#undef _mm256_testz_si256
+#define _mm_testz_si128 emulated_testz_si128
+#define _mm256_testz_si256 emulated_testz_si256
+#define _mm512_cvtph_ps emulated_cvtph_ps
+#define _mm512_cvtps_ph emulated_cvtps_ph
+#define _mm512_cmpeq_epi16_mask emulated_cmpeq_epi16_mask
+#define _mm512_cvtepu16_epi32 emulated_cvtepu16_epi32
+#define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16
+#define _mm512_reduce_add_epi32 emulated_reduce_add_epi32
+#endif
+
 /* ---------------------------------------------------------------- portable kernels
  * Written so that compilers vectorise them: the flag is an OR of comparisons, no early exit. */
 
@@ -114,9 +214,9 @@ static inline uint16_t float_to_bf16(float f) {
         uint32_t bad = 0;                                                                        \
         if (multiply) {                                                                          \
             for (Py_ssize_t i = 0; i < n; i++) {                                                 \
-                float v = x[i];                                                                  \
-                bad |= (uint32_t)((f32_bits(v) & 0x7f800000u) == 0x7f800000u);                   \
-                x[i] = v * inv;                                                                  \
+                float r = x[i] * inv;                                                            \
+                bad |= (uint32_t)((f32_bits(r) & 0x7f800000u) == 0x7f800000u);                   \
+                x[i] = r;                                                                        \
             }                                                                                    \
         } else {                                                                                 \
             for (Py_ssize_t i = 0; i < n; i++) {                                                 \
@@ -130,11 +230,11 @@ static inline uint16_t float_to_bf16(float f) {
         const double inv64 = (double)inv;                                                        \
         uint64_t bad = 0;                                                                        \
         for (Py_ssize_t i = 0; i < n; i++) {                                                     \
-            double v = x[i];                                                                     \
+            double v = multiply ? x[i] * inv64 : x[i];                                           \
             uint64_t u;                                                                          \
             memcpy(&u, &v, sizeof u);                                                            \
             bad |= (uint64_t)((u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull);             \
-            if (multiply) x[i] = v * inv64;                                                      \
+            if (multiply) x[i] = v;                                                              \
         }                                                                                        \
         return bad != 0;                                                                         \
     }                                                                                            \
@@ -143,9 +243,9 @@ static inline uint16_t float_to_bf16(float f) {
         uint32_t bad = 0;                                                                        \
         if (multiply) {                                                                          \
             for (Py_ssize_t i = 0; i < n; i++) {                                                 \
-                uint16_t b = x[i];                                                               \
-                bad |= (uint32_t)((b & 0x7f80u) == 0x7f80u);                                     \
-                x[i] = float_to_bf16(bf16_to_float(b) * inv);                                    \
+                uint16_t r = float_to_bf16(bf16_to_float(x[i]) * inv);                          \
+                bad |= (uint32_t)((r & 0x7f80u) == 0x7f80u);                                     \
+                x[i] = r;                                                                        \
             }                                                                                    \
         } else {                                                                                 \
             for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)((x[i] & 0x7f80u) == 0x7f80u);   \
@@ -157,9 +257,9 @@ static inline uint16_t float_to_bf16(float f) {
         uint32_t bad = 0;                                                                        \
         if (multiply) {                                                                          \
             for (Py_ssize_t i = 0; i < n; i++) {                                                 \
-                uint16_t h = x[i];                                                               \
-                bad |= (uint32_t)((h & 0x7c00u) == 0x7c00u);                                     \
-                x[i] = float_to_half(half_to_float(h) * inv);                                    \
+                uint16_t r = float_to_half(half_to_float(x[i]) * inv);                           \
+                bad |= (uint32_t)((r & 0x7c00u) == 0x7c00u);                                     \
+                x[i] = r;                                                                        \
             }                                                                                    \
         } else {                                                                                 \
             for (Py_ssize_t i = 0; i < n; i++) bad |= (uint32_t)((x[i] & 0x7c00u) == 0x7c00u);   \
@@ -179,10 +279,9 @@ typedef long long (*count_kernel_fn)(void *data, Py_ssize_t n, float inv_scale, 
         long long tiny = 0;                                                                           \
         for (Py_ssize_t i = 0; i < n; i++) {                                                          \
             float v = x[i];                                                                           \
-            uint32_t e = f32_bits(v) & 0x7f800000u;                                                   \
-            flags |= (uint32_t)(e == 0x7f800000u);                                                    \
-            tiny += (e == 0);                                                                         \
-            if (multiply) x[i] = v * inv;                                                             \
+            tiny += ((f32_bits(v) & 0x7f800000u) == 0);                                               \
+            if (multiply) x[i] = v = v * inv;                                                         \
+            flags |= (uint32_t)((f32_bits(v) & 0x7f800000u) == 0x7f800000u);                          \
         }                                                                                             \
         *bad = flags != 0;                                                                            \
         return tiny;                                                                                  \
@@ -196,10 +295,12 @@ typedef long long (*count_kernel_fn)(void *data, Py_ssize_t n, float inv_scale, 
             double v = x[i];                                                                          \
             uint64_t u;                                                                               \
             memcpy(&u, &v, sizeof u);                                                                 \
-            uint64_t e = u & 0x7ff0000000000000ull;                                                   \
-            flags |= (uint64_t)(e == 0x7ff0000000000000ull);                                          \
-            tiny += (e == 0);                                                                         \
-            if (multiply) x[i] = v * inv64;                                                           \
+            tiny += ((u & 0x7ff0000000000000ull) == 0);                                               \
+            if (multiply) {                                                                           \
+                x[i] = v = v * inv64;                                                                 \
+                memcpy(&u, &v, sizeof u);                                                             \
+            }                                                                                         \
+            flags |= (uint64_t)((u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull);               \
         }                                                                                             \
         *bad = flags != 0;                                                                            \
         return tiny;                                                                                  \
@@ -210,9 +311,9 @@ typedef long long (*count_kernel_fn)(void *data, Py_ssize_t n, float inv_scale, 
         long long tiny = 0;                                                                           \
         for (Py_ssize_t i = 0; i < n; i++) {                                                          \
             uint16_t b = x[i];                                                                        \
-            flags |= (uint32_t)((b & 0x7f80u) == 0x7f80u);                                            \
             tiny += ((b & 0x7f80u) == 0);                                                             \
-            if (multiply) x[i] = float_to_bf16(bf16_to_float(b) * inv);                               \
+            if (multiply) x[i] = b = float_to_bf16(bf16_to_float(b) * inv);                           \
+            flags |= (uint32_t)((b & 0x7f80u) == 0x7f80u);                                            \
         }                                                                                             \
         *bad = flags != 0;                                                                            \
         return tiny;                                                                                  \
@@ -223,9 +324,9 @@ typedef long long (*count_kernel_fn)(void *data, Py_ssize_t n, float inv_scale, 
         long long tiny = 0;                                                                           \
         for (Py_ssize_t i = 0; i < n; i++) {                                                          \
             uint16_t h = x[i];                                                                        \
-            flags |= (uint32_t)((h & 0x7c00u) == 0x7c00u);                                            \
             tiny += ((h & 0x7c00u) == 0);                                                             \
-            if (multiply) x[i] = float_to_half(half_to_float(h) * inv);                               \
+            if (multiply) x[i] = h = float_to_half(half_to_float(h) * inv);                           \
+            flags |= (uint32_t)((h & 0x7c00u) == 0x7c00u);                                            \
         }                                                                                             \
         *bad = flags != 0;                                                                            \
         return tiny;                                                                                  \
@@ -235,7 +336,6 @@ DEFINE_PORTABLE_KERNELS(generic, )
 DEFINE_COUNTING_KERNELS(generic, )
 
 #if AMPSCALE_X86_DISPATCH
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 DEFINE_PORTABLE_KERNELS(avx2, AVX2_TARGET)
 DEFINE_COUNTING_KERNELS(avx2, AVX2_TARGET)
 
@@ -250,12 +350,12 @@ AVX2_TARGET static int kernel_f16_f16c(void *data, Py_ssize_t n, float inv, int 
         for (; i + 16 <= n; i += 16) {
             __m128i a = _mm_loadu_si128((const __m128i *)(x + i));
             __m128i b = _mm_loadu_si128((const __m128i *)(x + i + 8));
-            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(a, exponent), exponent));
-            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(b, exponent), exponent));
-            __m256 fa = _mm256_mul_ps(_mm256_cvtph_ps(a), vinv);
-            __m256 fb = _mm256_mul_ps(_mm256_cvtph_ps(b), vinv);
-            _mm_storeu_si128((__m128i *)(x + i), _mm256_cvtps_ph(fa, _MM_FROUND_TO_NEAREST_INT));
-            _mm_storeu_si128((__m128i *)(x + i + 8), _mm256_cvtps_ph(fb, _MM_FROUND_TO_NEAREST_INT));
+            __m128i ra = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(a), vinv), _MM_FROUND_TO_NEAREST_INT);
+            __m128i rb = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(b), vinv), _MM_FROUND_TO_NEAREST_INT);
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(ra, exponent), exponent));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(rb, exponent), exponent));
+            _mm_storeu_si128((__m128i *)(x + i), ra);
+            _mm_storeu_si128((__m128i *)(x + i + 8), rb);
         }
     } else {
         for (; i + 16 <= n; i += 16) {
@@ -281,13 +381,14 @@ AVX2_TARGET static int kernel_f32_avx2x(void *data, Py_ssize_t n, float inv, int
     f = _mm256_or_si256(f, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent))
     if (multiply) {
         for (; i + 32 <= n; i += 32) {
-            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-            __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), b = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vinv);
+            __m256 c = _mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vinv);
+            __m256 d = _mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vinv);
             AMPSCALE_F32_FLAG(a, f0); AMPSCALE_F32_FLAG(b, f1); AMPSCALE_F32_FLAG(c, f0); AMPSCALE_F32_FLAG(d, f1);
-            _mm256_storeu_ps(x + i, _mm256_mul_ps(a, vinv));
-            _mm256_storeu_ps(x + i + 8, _mm256_mul_ps(b, vinv));
-            _mm256_storeu_ps(x + i + 16, _mm256_mul_ps(c, vinv));
-            _mm256_storeu_ps(x + i + 24, _mm256_mul_ps(d, vinv));
+            _mm256_storeu_ps(x + i, a);
+            _mm256_storeu_ps(x + i + 8, b);
+            _mm256_storeu_ps(x + i + 16, c);
+            _mm256_storeu_ps(x + i + 24, d);
         }
     } else {
         for (; i + 32 <= n; i += 32) {
@@ -304,7 +405,6 @@ AVX2_TARGET static int kernel_f32_avx2x(void *data, Py_ssize_t n, float inv, int
 }
 
 /* AVX-512: 64 float32 (or 32 float16/bfloat16, 32 float64) elements per iteration. */
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 AVX512_TARGET static int kernel_f32_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
     float *x = (float *)data;
@@ -316,13 +416,14 @@ AVX512_TARGET static int kernel_f32_avx512(void *data, Py_ssize_t n, float inv, 
     flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent)
     if (multiply) {
         for (; i + 64 <= n; i += 64) {
-            __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
-            __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), b = _mm512_mul_ps(_mm512_loadu_ps(x + i + 16), vinv);
+            __m512 c = _mm512_mul_ps(_mm512_loadu_ps(x + i + 32), vinv);
+            __m512 d = _mm512_mul_ps(_mm512_loadu_ps(x + i + 48), vinv);
             AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
-            _mm512_storeu_ps(x + i, _mm512_mul_ps(a, vinv));
-            _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(b, vinv));
-            _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(c, vinv));
-            _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(d, vinv));
+            _mm512_storeu_ps(x + i, a);
+            _mm512_storeu_ps(x + i + 16, b);
+            _mm512_storeu_ps(x + i + 32, c);
+            _mm512_storeu_ps(x + i + 48, d);
         }
     } else {
         for (; i + 64 <= n; i += 64) {
@@ -347,15 +448,25 @@ AVX512_TARGET static int kernel_f64_avx512(void *data, Py_ssize_t n, float inv, 
         __m512d v[4];
         for (int k = 0; k < 4; k++) {
             v[k] = _mm512_loadu_pd(x + i + 8 * k);
+            if (multiply) v[k] = _mm512_mul_pd(v[k], vinv);
             flags |= _mm512_cmpeq_epi64_mask(_mm512_and_si512(_mm512_castpd_si512(v[k]), exponent), exponent);
         }
         if (multiply) {
-            for (int k = 0; k < 4; k++) _mm512_storeu_pd(x + i + 8 * k, _mm512_mul_pd(v[k], vinv));
+            for (int k = 0; k < 4; k++) _mm512_storeu_pd(x + i + 8 * k, v[k]);
         }
     }
     int bad = flags != 0;
     if (i < n) bad |= kernel_f64_avx2(x + i, n - i, inv, multiply);
     return bad;
+}
+
+/* 32 halves times the inverse scale in float32, rounded back to nearest even. */
+AVX512_TARGET static inline __m512i f16x32_unscale(__m512i a, __m512 vinv) {
+    __m256i lo = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(a)), vinv),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i hi = _mm512_cvtps_ph(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1)), vinv),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
 AVX512_TARGET static int kernel_f16_avx512(void *data, Py_ssize_t n, float inv, int multiply) {
@@ -367,17 +478,14 @@ AVX512_TARGET static int kernel_f16_avx512(void *data, Py_ssize_t n, float inv, 
     for (; i + 64 <= n; i += 64) {
         __m512i a = _mm512_loadu_si512((const void *)(x + i));
         __m512i b = _mm512_loadu_si512((const void *)(x + i + 32));
+        if (multiply) {
+            a = f16x32_unscale(a, vinv);
+            b = f16x32_unscale(b, vinv);
+            _mm512_storeu_si512((void *)(x + i), a);
+            _mm512_storeu_si512((void *)(x + i + 32), b);
+        }
         flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
         flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, exponent), exponent);
-        if (multiply) {
-            __m256i parts[4] = {_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1),
-                                _mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1)};
-            for (int k = 0; k < 4; k++) {
-                __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(parts[k]), vinv);
-                _mm256_storeu_si256((__m256i *)(x + i + 16 * k),
-                                    _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            }
-        }
     }
     int bad = flags != 0;
     if (i < n) bad |= kernel_f16_f16c(x + i, n - i, inv, multiply);
@@ -395,8 +503,9 @@ AVX512_TARGET static int kernel_bf16_avx512(void *data, Py_ssize_t n, float inv,
     Py_ssize_t i = 0;
     for (; i + 32 <= n; i += 32) {
         __m512i a = _mm512_loadu_si512((const void *)(x + i));
-        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
-        if (multiply) {
+        if (!multiply) {
+            flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
+        } else {
             for (int k = 0; k < 2; k++) {
                 __m256i half = k ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a);
                 __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
@@ -405,6 +514,8 @@ AVX512_TARGET static int kernel_bf16_avx512(void *data, Py_ssize_t n, float inv,
                 __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, magnitude), infinity);
                 __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
                 rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_and_si512(u, sign), quiet));
+                /* the stored bfloat16 is the top half: its exponent bits are bits 23-30 here */
+                flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(rounded, infinity), infinity);
                 _mm256_storeu_si256((__m256i *)(x + i + 16 * k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
             }
         }
@@ -427,30 +538,42 @@ AVX512_TARGET static long long count_f32_avx512(void *data, Py_ssize_t n, float 
     __m512i counts0 = _mm512_setzero_si512(), counts1 = counts0, counts2 = counts0, counts3 = counts0;
     __mmask16 flags = 0;
     Py_ssize_t i = 0;
-#define AMPSCALE_COUNT(v, counts)                                                           \
-    do {                                                                                    \
-        __m512i e_ = _mm512_and_si512(_mm512_castps_si512(v), exponent);                    \
-        flags |= _mm512_cmpeq_epi32_mask(e_, exponent);                                     \
-        counts = _mm512_mask_add_epi32(counts, _mm512_cmpeq_epi32_mask(e_, zero), counts, one); \
-    } while (0)
+    /* the count is of the inputs; the flag of the values stored (the inputs when not multiplying) */
+#define AMPSCALE_COUNT(v, counts)                                                                          \
+    counts = _mm512_mask_add_epi32(                                                                        \
+        counts, _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), zero), counts, one)
+#define AMPSCALE_FLAG(v) \
+    flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent)
     for (; i + 64 <= n; i += 64) {
         __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
         __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
         AMPSCALE_COUNT(a, counts0); AMPSCALE_COUNT(b, counts1); AMPSCALE_COUNT(c, counts2); AMPSCALE_COUNT(d, counts3);
         if (multiply) {
-            _mm512_storeu_ps(x + i, _mm512_mul_ps(a, vinv));
-            _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(b, vinv));
-            _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(c, vinv));
-            _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(d, vinv));
+            a = _mm512_mul_ps(a, vinv);
+            b = _mm512_mul_ps(b, vinv);
+            c = _mm512_mul_ps(c, vinv);
+            d = _mm512_mul_ps(d, vinv);
+            _mm512_storeu_ps(x + i, a);
+            _mm512_storeu_ps(x + i + 16, b);
+            _mm512_storeu_ps(x + i + 32, c);
+            _mm512_storeu_ps(x + i + 48, d);
         }
+        AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
     }
 #undef AMPSCALE_COUNT
+#undef AMPSCALE_FLAG
     long long tiny = (long long)_mm512_reduce_add_epi32(counts0) + _mm512_reduce_add_epi32(counts1) +
                      _mm512_reduce_add_epi32(counts2) + _mm512_reduce_add_epi32(counts3);
     int tail_bad = 0;
     if (i < n) tiny += count_f32_avx2(x + i, n - i, inv, multiply, &tail_bad);
     *bad = (flags != 0) | tail_bad;
     return tiny;
+}
+
+/* The sum of the 32 unsigned 16-bit lanes of `counts`. */
+AVX512_TARGET static inline long long u16_lanes_sum(__m512i counts) {
+    const __m512i low = _mm512_set1_epi32(0xffff);
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_and_si512(counts, low), _mm512_srli_epi32(counts, 16)));
 }
 
 AVX512_TARGET static long long count_f16_avx512(void *data, Py_ssize_t n, float inv, int multiply, int *bad) {
@@ -462,26 +585,26 @@ AVX512_TARGET static long long count_f16_avx512(void *data, Py_ssize_t n, float 
     __mmask32 flags = 0;
     long long tiny = 0;
     Py_ssize_t i = 0;
-    __m512i counts = _mm512_setzero_si512(); /* 16-bit lanes: flushed to `tiny` every 2^15 iterations */
+    /* 16-bit lanes, flushed to `tiny` every 2^15 iterations: a lane then holds up to 32768, which
+     * only an unsigned read gets right (a signed 16-bit read, as _mm512_madd_epi16 does, makes it
+     * -32768), so the flush adds the two unsigned halves of each 32-bit lane. */
+    __m512i counts = _mm512_setzero_si512();
     Py_ssize_t since_flush = 0;
     for (; i + 32 <= n; i += 32) {
         __m512i a = _mm512_loadu_si512((const void *)(x + i));
-        __m512i e = _mm512_and_si512(a, exponent);
-        flags |= _mm512_cmpeq_epi16_mask(e, exponent);
-        counts = _mm512_mask_add_epi16(counts, _mm512_cmpeq_epi16_mask(e, zero), counts, one);
+        counts = _mm512_mask_add_epi16(counts, _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), zero), counts, one);
         if (++since_flush == 32768) {
-            tiny += _mm512_reduce_add_epi32(_mm512_madd_epi16(counts, one));
+            tiny += u16_lanes_sum(counts);
             counts = _mm512_setzero_si512();
             since_flush = 0;
         }
         if (multiply) {
-            __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(a)), vinv);
-            __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1)), vinv);
-            _mm256_storeu_si256((__m256i *)(x + i), _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            _mm256_storeu_si256((__m256i *)(x + i + 16), _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            a = f16x32_unscale(a, vinv);
+            _mm512_storeu_si512((void *)(x + i), a);
         }
+        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
     }
-    tiny += _mm512_reduce_add_epi32(_mm512_madd_epi16(counts, one));
+    tiny += u16_lanes_sum(counts);
     int tail_bad = 0;
     if (i < n) tiny += count_f16_avx2(x + i, n - i, inv, multiply, &tail_bad);
     *bad = (flags != 0) | tail_bad;
@@ -498,15 +621,14 @@ static count_kernel_fn count_kernels[KIND_COUNT] = {count_f16_generic, count_bf1
 static void select_kernels(void) {
 #if AMPSCALE_X86_DISPATCH
     __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+    int avx2 = AMPSCALE_CPU_HAS("avx2") && AMPSCALE_CPU_HAS("fma") && AMPSCALE_CPU_HAS("f16c");
     if (avx2) {
         count_kernels[KIND_F16] = count_f16_avx2;
         count_kernels[KIND_BF16] = count_bf16_avx2;
         count_kernels[KIND_F32] = count_f32_avx2;
         count_kernels[KIND_F64] = count_f64_avx2;
     }
-    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+    if (avx2 && AMPSCALE_CPU_HAS("avx512f") && AMPSCALE_CPU_HAS("avx512bw")) {
         kernels[KIND_F16] = kernel_f16_avx512;
         kernels[KIND_BF16] = kernel_bf16_avx512;
         kernels[KIND_F32] = kernel_f32_avx512;
@@ -736,7 +858,7 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
         select_kernels();
 #if AMPSCALE_X86_DISPATCH
     } else if (strcmp(name, "avx2") == 0) {
-        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) {
+        if (!(AMPSCALE_CPU_HAS("avx2") && AMPSCALE_CPU_HAS("f16c"))) {
             PyErr_SetString(PyExc_ValueError, "use_isa: this CPU has no AVX2/F16C");
             return NULL;
         }

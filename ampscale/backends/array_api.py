@@ -1,10 +1,10 @@
 """Generic backend for any namespace that follows the Python array API standard.
 
 Used for namespaces ampscale has no dedicated adapter for (proven with ``array_api_strict``,
-the standard's reference implementation). Only standard functions are used: the check is
-``all(isfinite(x))`` per array (exact, no sum that could overflow), the unscale is an
-out-of-place multiply in the array's own dtype, and the state is 0-d arrays on the gradients'
-device, updated by the shared transition with ``where``/``maximum``/``minimum``.
+the standard's reference implementation). Only standard functions are used: the unscale is an
+out-of-place multiply in the array's own dtype, the check is ``all(isfinite(out))`` of each
+array returned (exact, no sum that could overflow), and the state is 0-d arrays on the
+gradients' device, updated by the shared transition with ``where``/``maximum``/``minimum``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ArrayApiBackend(Backend):
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         # NumPy-backed namespaces warn when a multiply overflows to inf (a scale below 1): that
-        # inf is the arithmetic asked for, and the flag already covers the input.
+        # inf is the arithmetic asked for, and the flag reports it.
         with np.errstate(over="ignore", invalid="ignore"):
             return self._check_and_unscale(leaves, inv_scale)
 
@@ -75,12 +75,11 @@ class ArrayApiBackend(Backend):
         finite = None
         out = []
         for leaf in leaves:
-            leaf_finite = xp.all(xp.isfinite(leaf))
+            unscaled = leaf if inv_scale is None else leaf * xp.astype(inv_scale, leaf.dtype)
+            # the values returned are checked: below a scale of 1 a finite input may overflow
+            leaf_finite = xp.all(xp.isfinite(unscaled))
             finite = leaf_finite if finite is None else xp.logical_and(finite, leaf_finite)
-            if inv_scale is None:
-                out.append(leaf)
-            else:
-                out.append(leaf * xp.astype(inv_scale, leaf.dtype))
+            out.append(unscaled)
         if finite is None:
             finite = xp.asarray(True)
         return out, finite

@@ -267,9 +267,11 @@ def _native_ok(leaf: Any, multiply: bool) -> bool:
 
 
 def _check_and_unscale_numpy(leaf: Any, inv: float, multiply: bool) -> tuple[Any, bool]:
-    """One leaf on the pure-NumPy path: exact check of the input, then the float32 multiply.
+    """One leaf on the pure-NumPy path: the float32 multiply, then an exact check of the values
+    stored (of the input when only checking), as the native kernel does.
 
-    Overflow to inf in the multiply (a scale below 1) is the arithmetic asked for: quietly.
+    Overflow to inf in the multiply (a scale below 1) is the arithmetic asked for: quietly; the
+    flag reports it.
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return _check_and_unscale_numpy_quiet(leaf, inv, multiply)
@@ -290,23 +292,27 @@ def _check_and_unscale_numpy_quiet(leaf: Any, inv: float, multiply: bool) -> tup
     if flat_in is None or flat_out is None:
         # Strided or transposed: NumPy's own loops handle the strides; one block.
         values = array.astype(np.float32) if wide else array
-        finite = bool(np.isfinite(values).all())
         if multiply:
             result = values * factor
-            out[...] = result.astype(array.dtype) if wide else result
+            stored = result.astype(array.dtype) if wide else result
+            out[...] = stored
+            values = stored.astype(np.float32) if wide else stored
+        finite = bool(np.isfinite(values).all())
     else:
         for start in range(0, flat_in.size, _BLOCK):
             block = flat_in[start : start + _BLOCK]
             values = block.astype(np.float32) if wide else block
-            # max/min propagate nan and catch +inf/-inf: exact, and no sum that could overflow.
-            high, low = values.max(initial=-np.inf), values.min(initial=np.inf)
-            finite &= bool(np.isfinite(high) and np.isfinite(low)) or values.size == 0
             if multiply:
                 target = flat_out[start : start + _BLOCK]
                 if wide:
                     target[...] = (values * factor).astype(array.dtype)
+                    values = target.astype(np.float32)  # as stored: rounding may reach inf
                 else:
                     np.multiply(values, factor, out=target)
+                    values = target
+            # max/min propagate nan and catch +inf/-inf: exact, and no sum that could overflow.
+            high, low = values.max(initial=-np.inf), values.min(initial=np.inf)
+            finite &= bool(np.isfinite(high) and np.isfinite(low)) or values.size == 0
     if not multiply:
         return leaf, finite
     if isinstance(leaf, np.generic):
