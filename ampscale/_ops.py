@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ampscale._compiled import compile_host_transition
+from ampscale._codegen import python_transition
 from ampscale._config import INT32_MAX, INT32_MIN, _round_to
 from ampscale._errors import AmpscaleWarning
 
@@ -42,8 +42,9 @@ class HostOps:
 
     Values that do not change keep their object, so a step creates only the few scalars that
     move; float32 rounding of candidate scales is memoised (scales take few distinct values).
-    :attr:`run` is the transition traced with these operations and compiled into one function
-    (:mod:`ampscale._compiled`); the scaler calls it instead of interpreting the transition.
+    :attr:`run` is the transition traced and emitted as one Python function that uses these
+    operations' ``grow`` and ``shrink`` (:mod:`ampscale._codegen`); the scaler calls it
+    instead of interpreting the transition.
     """
 
     def __init__(self, config: ScalerConfig, scale_type: Any = float, int_type: Any = int) -> None:
@@ -56,7 +57,7 @@ class HostOps:
         self._shrunk: dict[Any, Any] = {}
         #: ``run(values, finite, loss_finite) -> (next_values, floor_event)``: the transition
         #: with these operations, compiled into one function (same results, several times faster)
-        self.run = compile_host_transition(config, self)
+        self.run = python_transition(config, self.grow, self.shrink)
 
     @staticmethod
     def as_bool(value: Any) -> bool:

@@ -452,7 +452,7 @@ def test_compiled_transition_source_is_straight_line_code() -> None:
 def test_tracing_rejects_a_branch_on_a_value() -> None:
     """A transition that branched on a state value would be wrong on device backends; tracing
     it for the host fails loudly instead of baking one branch into the compiled function."""
-    from ampscale._compiled import _Node
+    from ampscale._codegen import _Node
 
     with pytest.raises(TypeError, match="branched on a traced value"):
-        bool(_Node("x") >= 1)
+        bool(_Node("input", "int") >= 1)
