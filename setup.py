@@ -37,7 +37,15 @@ setup(
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,
-        )
+        ),
+        # the CUDA driver launcher: libcuda.so.1 is opened at run time, no toolkit needed here
+        Extension(
+            "ampscale._cuda._driver",
+            sources=["ampscale/_cuda/_driver.c"],
+            extra_compile_args=compile_args,
+            extra_link_args=[*link_args, "-ldl"] if sys.platform == "linux" else link_args,
+            optional=True,
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -218,14 +218,14 @@ class Scaler:
             false if the loss or any gradient held inf or nan; with ``underflow=True``,
             ``(grads, finite, underflow_fraction)``.
         """
-        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name, underflow)
-        finite = grads_finite if loss_finite is None else backend.logical_and(grads_finite, loss_finite)
+        grads, finite, _loss_finite, _backend = self._unscale(grads, loss, axis_name, underflow)
         if underflow:
             grads, fraction = grads
             return grads, finite, fraction
         return grads, finite
 
     def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
+        """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss."""
         config = self._config
         backend = self._backend
         if backend is None:
@@ -237,7 +237,14 @@ class Scaler:
             backend.validate((loss,), None, "loss")
         like = leaves[0] if leaves else loss
         state = self._state_on(backend, like)
-        inv = backend.inverse_scale(backend.scale_of(state)) if config.scales else None
+        group = config.axis_name if axis_name is _UNSET else axis_name
+        if group is None and not underflow and leaves:
+            # CUDA: check, unscale and the state transition in one launch (or two on torch)
+            fused = backend.fused_unscale(config, state, leaves, loss)
+            if fused is not None:
+                new_leaves, finite, loss_finite = fused
+                return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
+        inv = backend.inverse_of(state) if config.scales else None
         fraction = None
         if not leaves:
             new_leaves, finite = leaves, backend.as_bool(True, like)
@@ -246,7 +253,6 @@ class Scaler:
         else:
             new_leaves, finite = backend.check_and_unscale(leaves, inv)
         loss_finite = None if loss is None else backend.all_finite([loss])
-        group = config.axis_name if axis_name is _UNSET else axis_name
         if group is not None:
             finite = backend.agree(finite, group)
             if loss_finite is not None:
@@ -254,6 +260,8 @@ class Scaler:
         tree = backend.unflatten(spec, new_leaves)
         if underflow:
             tree = (tree, 0.0 if fraction is None else fraction)
+        if loss_finite is not None:
+            finite = backend.logical_and(finite, loss_finite)
         return tree, finite, loss_finite, backend
 
     def update(self, finite: Any, *, loss_finite: Any = None) -> Scaler:
@@ -356,8 +364,7 @@ class Scaler:
             ``(params, opt_state, scaler)``: on an overflowing step ``params`` and ``opt_state``
             are the inputs, bitwise, and the returned scaler has backed off.
         """
-        grads, grads_finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
-        finite = grads_finite if loss_finite is None else backend.logical_and(grads_finite, loss_finite)
+        grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
         new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
         return new_params, new_opt_state, self._update(backend, finite, loss_finite)
 

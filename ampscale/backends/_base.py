@@ -131,6 +131,18 @@ class Backend(abc.ABC):
         """A 0-d bool: whether every element of every leaf is finite."""
         return self.check_and_unscale(leaves, None)[1]
 
+    def fused_unscale(
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+    ) -> tuple[list[Any], Any, Any] | None:
+        """Check and unscale ``leaves`` (and check ``loss``) with the state transition in the same
+        launch, where a backend can (CUDA); ``None`` otherwise (the default).
+
+        Returns ``(leaves, finite, loss_finite)``: ``finite`` already includes the loss, and
+        :meth:`run_transition` given these very flag objects returns the next state computed
+        with them, without another launch. ``loss_finite`` is ``None`` when ``loss`` is.
+        """
+        return None
+
     def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
         """:meth:`check_and_unscale`, plus the fraction of input values that are zero or subnormal.
 
@@ -226,6 +238,10 @@ class Backend(abc.ABC):
     def scale_of(self, state: Any) -> Any:
         """The current scale, a 0-d value of this backend (or a host scalar)."""
         return self.unpack(state).scale
+
+    def inverse_of(self, state: Any) -> Any:
+        """The inverse scale for unscaling with ``state`` (packed states keep it precomputed)."""
+        return self.inverse_scale(self.scale_of(state))
 
     def host(self, state: ScalerState) -> bool:
         """Whether ``state`` lives in host memory, so the transition runs on Python scalars."""

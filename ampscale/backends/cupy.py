@@ -1,12 +1,17 @@
-"""CuPy backend: one fused multi-tensor CUDA kernel per step, state on the GPU, NCCL agreement.
+"""CuPy backend: one CUDA launch per step (check, unscale and the state update), no host sync.
 
-The check + unscale of *every* gradient array, of any float dtype, is one launch of the kernel
-in ``cupy_kernels.cu`` (loaded with ``cupy.RawModule``): a table of chunks (address, first
-element, length, dtype) lives on the GPU, cached while the arrays stay the same, and each CUDA
-block processes one chunk, reading and writing every element once, with 16-byte accesses where
-aligned. The inverse scale and the flag stay on the GPU; ``unscale``, ``update`` and ``step``
-never synchronise with the host. The state is 0-d CuPy arrays on the gradients' device and the
-shared transition runs there.
+The kernels (``ampscale/_cuda/kernels.cu``, with the state transition emitted as C for the
+scaler's configuration by :mod:`ampscale._codegen`) are compiled with NVRTC through
+``cupy.RawModule`` (CuPy caches the binary on disk). A table of chunks (address, first element,
+length, dtype) of every gradient array lives on the GPU, cached while the arrays stay the same;
+each block processes one chunk, reading and writing every element once, with 16-byte accesses
+where aligned. The blocks past the table check the loss. The block that finishes last runs the
+transition on one thread and writes the next state: check, unscale and update are one launch.
+
+The state is one 80-byte device buffer (:mod:`ampscale.backends._packed`), the fields are
+views of it, and each update writes a new buffer. Where the flag must be known first (a
+caller's flag, NCCL agreement, underflow counting), the check runs alone and a one-thread
+update kernel follows: one more launch, still no sync.
 
 Contiguous arrays (C or Fortran order) go through the kernel. Strided views are unscaled in
 place by an exact per-array path (several launches each), with a one-time warning.
@@ -25,34 +30,48 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import cupy
 import numpy as np
 
+from ampscale._config import make_config
+from ampscale._core import ScalerState
+from ampscale._cuda import _plan
 from ampscale._errors import PerformanceWarning
 from ampscale._ops import ArrayOps, PlainNamespace
 from ampscale.backends._base import Backend
-from ampscale.backends._cupy_plan import CHUNK_DTYPE, KINDS, chunk_table, kernel_source
+from ampscale.backends._packed import (
+    FLAG_BOOL,
+    FLAG_FALSE,
+    FLAG_TRUE,
+    CudaStep,
+    PackedState,
+    decode,
+    encode,
+    offset_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ampscale._config import ScalerConfig
-    from ampscale._core import ScalerState
 
 __all__ = ["BACKEND", "BLOCK_THREADS", "CupyBackend"]
 
 #: threads per block of the kernel
-BLOCK_THREADS = 512
+BLOCK_THREADS = _plan.BLOCK_THREADS
 
 _lock = threading.Lock()
-_modules: dict[int, Any] = {}  # device id -> compiled RawModule
+_modules: dict[tuple[str, int], Any] = {}  # (source, device id) -> (step, update) kernels, or None
 _warned_strided = False
-_ones: dict[int, Any] = {}  # device id -> a 0-d float32 one (the "inverse scale" of a check-only pass)
+_RECORD_FLOATS = 20
+_INV_OFFSET = offset_of("inv_scale", "float32")[0]
+_CUPY_DTYPES = {"float32": cupy.float32, "float64": cupy.float64, "int32": cupy.int32, "uint8": cupy.uint8}
+_DEFAULT_CONFIG = make_config()
 
 
 def _kind_codes() -> dict[Any, int]:
-    codes: dict[Any, int] = {np.dtype(name): code for name, code in KINDS.items() if name != "bfloat16"}
+    codes: dict[Any, int] = {np.dtype(name): code for name, code in _plan.KINDS.items() if name != "bfloat16"}
     try:
         import ml_dtypes
 
-        codes[np.dtype(ml_dtypes.bfloat16)] = KINDS["bfloat16"]
+        codes[np.dtype(ml_dtypes.bfloat16)] = _plan.KINDS["bfloat16"]
     except ImportError:  # pragma: no cover - CuPy's bfloat16 comes from ml_dtypes
         pass
     return codes
@@ -62,14 +81,6 @@ def _kind_codes() -> dict[Any, int]:
 _KIND_OF = _kind_codes()
 
 
-def _one(device_id: int) -> Any:
-    one = _ones.get(device_id)
-    if one is None:
-        with cupy.cuda.Device(device_id):
-            one = _ones[device_id] = cupy.ones((), dtype=cupy.float32)
-    return one
-
-
 def _full(value: Any, dtype: Any, device: Any) -> Any:
     if device is None:
         return cupy.full((), value, dtype=dtype)
@@ -77,20 +88,66 @@ def _full(value: Any, dtype: Any, device: Any) -> Any:
         return cupy.full((), value, dtype=dtype)
 
 
-#: the transition's operations as plain CuPy calls
+#: the transition's operations as plain CuPy calls (the eager path, where NVRTC refused the module)
 _TRANSITION_XP = PlainNamespace(cupy, cupy.bool_, lambda x, dtype: x.astype(dtype), _full)
 
 
-def _kernel(device_id: int) -> Any:
-    """The compiled kernel for a device (compiled once per device, then cached by CuPy)."""
+class _Kernels:
+    """``ampscale_step`` and ``ampscale_update`` of one configuration on one device."""
+
+    __slots__ = ("step", "update")
+
+    def __init__(self, module: Any) -> None:
+        self.step = module.get_function("ampscale_step")
+        self.update = module.get_function("ampscale_update")
+
+
+def _kernels(config: ScalerConfig, device_id: int) -> _Kernels | None:
+    """The kernels for ``config`` on a device, compiled once per distinct source (and cached on
+    disk by CuPy); ``None``, with one warning, if NVRTC refuses them."""
+    key = f"cupy-kernels:{device_id}"
+    cached = config._cache.get(key, False)
+    if cached is not False:
+        return cached  # type: ignore[no-any-return]
+    source = _plan.module_source(config)
     with _lock:
-        module = _modules.get(device_id)
-        if module is None:
-            module = _modules[device_id] = cupy.RawModule(code=kernel_source(), options=("--std=c++14",))
-    return module.get_function("ampscale_check_and_unscale")
+        if (source, device_id) not in _modules:
+            try:
+                with cupy.cuda.Device(device_id):
+                    module = cupy.RawModule(code=source, options=_plan.COMPILE_OPTIONS)
+                    module.compile()
+                    _modules[source, device_id] = _Kernels(module)
+            except Exception as exc:  # CuPy raises its own CompileException
+                from ampscale._cuda.driver import warn_fallback
+
+                warn_fallback("cupy", f"NVRTC could not compile the kernels: {exc}")
+                _modules[source, device_id] = None
+        kernels = _modules[source, device_id]
+    config._cache[key] = kernels
+    return kernels  # type: ignore[no-any-return]
 
 
-class CupyBackend(Backend):
+class _CupyPacked(PackedState):
+    """A packed state in a CuPy array of 20 float32 elements."""
+
+    __slots__ = ()
+
+    def _make_view(self, name: str) -> Any:
+        offset, dtype = offset_of(name, self.scale_dtype)
+        typed = self.buffer if dtype == "float32" else self.buffer.view(_CUPY_DTYPES[dtype])
+        view = typed[offset // typed.itemsize]
+        return view.view(cupy.bool_) if name in ("finite", "loss_finite") else view
+
+
+def _i64(value: int) -> Any:
+    return np.int64(value)  # a long long kernel parameter
+
+
+def _u64(value: int) -> Any:
+    return np.uint64(value)  # a pointer kernel parameter
+
+
+class CupyBackend(Backend, CudaStep):
     """The CuPy adapter."""
 
     name: ClassVar[str] = "cupy"
@@ -117,7 +174,28 @@ class CupyBackend(Backend):
     def device_of(self, like: Any) -> Any:
         return like.device if isinstance(like, cupy.ndarray) else None
 
-    def ops(self, config: ScalerConfig, state: ScalerState) -> ArrayOps:
+    # -- state ------------------------------------------------------------------------------
+    def make_state(self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None) -> Any:
+        device_id = like.data.device_id if isinstance(like, cupy.ndarray) else cupy.cuda.Device().id
+        if _kernels(config, device_id) is None:
+            return super().make_state(values, config, like, previous)
+        with cupy.cuda.Device(device_id):
+            buffer = cupy.asarray(encode(values, config.scale_dtype).view(np.float32))
+        return _CupyPacked(buffer, buffer.data.ptr, config.scale_dtype)
+
+    def read_state(self, state: Any) -> ScalerState:
+        if isinstance(state, PackedState):
+            return decode(cupy.asnumpy(state.buffer), state.scale_dtype)  # one copy (a sync)
+        return super().read_state(state)
+
+    def public_state(self, state: Any, config: ScalerConfig) -> ScalerState:
+        if isinstance(state, PackedState):
+            return state.fields()
+        return state  # type: ignore[no-any-return]
+
+    def ops(self, config: ScalerConfig, state: Any) -> ArrayOps:
+        if isinstance(state, PackedState):
+            return None  # type: ignore[return-value] # run_transition launches the emitted C
         # One ArrayOps per (settings, GPU), with its constants made once: no host-to-device
         # copy (which would wait for the GPU) in the per-step transition.
         key = f"cupy:{state.scale.data.device_id}"
@@ -126,14 +204,63 @@ class CupyBackend(Backend):
             ops = config._cache[key] = ArrayOps(config, _TRANSITION_XP, state.scale.device, True, cache_constants=True)
         return ops  # type: ignore[no-any-return]
 
+    def inverse_of(self, state: Any) -> Any:
+        if isinstance(state, PackedState):
+            return state.view("inv_scale")  # computed by the launch that wrote the state
+        return self.inverse_scale(self.scale_of(state))
+
+    def run_transition(
+        self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
+    ) -> tuple[Any, ScalerState | None, Any]:
+        if not isinstance(state, PackedState):
+            return super().run_transition(config, state, finite, loss_finite, ops or self.ops(config, state))
+        kernels = _kernels(config, state.buffer.data.device_id)
+        with state.buffer.device:
+            nxt = self.update_packed(kernels, state, finite, loss_finite)
+        return nxt, None, nxt.view("floor_event")
+
+    # -- CudaStep: the framework's pieces -----------------------------------------------------
+    def new_record(self, like: PackedState, zero: bool = False) -> PackedState:
+        with like.buffer.device:
+            buffer = (cupy.zeros if zero else cupy.empty)(_RECORD_FLOATS, dtype=cupy.float32)
+        return _CupyPacked(buffer, buffer.data.ptr, like.scale_dtype)
+
+    def current_stream(self, state: PackedState) -> int:
+        return int(cupy.cuda.get_current_stream().ptr)
+
+    def flag_argument(self, flag: Any, state: PackedState) -> tuple[int, int, Any]:
+        if isinstance(flag, (bool, np.bool_)):
+            return 0, FLAG_TRUE if flag else FLAG_FALSE, None
+        flag = cupy.asarray(flag)
+        if flag.data.device_id != state.buffer.data.device_id:
+            with state.buffer.device:
+                flag = cupy.asarray(flag)
+        if flag.dtype != cupy.bool_:
+            flag = flag.astype(cupy.bool_)
+        return flag.data.ptr, FLAG_BOOL, flag
+
+    def launch_update(
+        self,
+        module: Any,
+        state: PackedState,
+        stream: int,
+        finite: tuple[int, int],
+        loss_finite: tuple[int, int],
+        scratch: PackedState | None = None,
+    ) -> PackedState:
+        nxt = self.new_record(state)
+        args = (state.buffer, nxt.buffer, _u64(finite[0]), _i64(finite[1]), _u64(loss_finite[0]), _i64(loss_finite[1]))
+        module.update((1,), (1,), (*args, _u64(0 if scratch is None else scratch.ptr)))
+        return nxt
+
     # -- the fused hot path -----------------------------------------------------------------
-    def _table(self, rows: list[tuple[int, int, int]], device_id: int) -> Any:
+    def _table(self, rows: tuple[tuple[int, int, int], ...], device_id: int) -> tuple[Any, int]:
         """The chunk table of ``(address, size, kind)`` rows on the device, cached by the rows."""
-        key = (device_id, *rows)
+        key = (device_id, rows)
         table = self._tables.get(key)
         if table is None:
-            addresses, sizes, kinds = zip(*rows, strict=True)
-            host_table = chunk_table(addresses, sizes, kinds)
+            addresses, sizes, kinds = zip(*rows, strict=True) if rows else ((), (), ())
+            host_table = _plan.chunk_table(addresses, sizes, kinds)
             with cupy.cuda.Device(device_id):
                 table = cupy.asarray(host_table.view(np.uint8))
             self._tables[key] = table
@@ -141,12 +268,11 @@ class CupyBackend(Backend):
                 self._tables.popitem(last=False)
         else:
             self._tables.move_to_end(key)
-        return table
+        return table, table.size // _plan.CHUNK_DTYPE.itemsize
 
-    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
-        leaves = list(leaves)
-        # One cheap pass over the leaves (CuPy's own read-only fields: no temporary objects),
-        # grouping the kernel's rows by device.
+    @staticmethod
+    def _rows(leaves: Sequence[Any]) -> tuple[dict[int, list[tuple[int, int, int]]], list[Any]]:
+        """The kernel's rows grouped by device, and the leaves it cannot take (strided, other dtypes)."""
         rows: dict[int, list[tuple[int, int, int]]] = {}
         strided = []
         kind_of = _KIND_OF
@@ -163,19 +289,89 @@ class CupyBackend(Backend):
                 group.append((memory.ptr, size, kind))
             else:
                 strided.append(leaf)
+        return rows, strided
+
+    def fused_unscale(
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+    ) -> tuple[list[Any], Any, Any] | None:
+        if not isinstance(state, PackedState):
+            return None
+        device_id = state.buffer.data.device_id
+        rows, strided = self._rows(leaves)
+        if strided or any(d != device_id for d in rows):
+            return None
+        loss_ptr, meta, loss_chunks = 0, 0, 0
+        if loss is not None:
+            kind = _KIND_OF.get(loss.dtype)
+            if kind is None or loss.data.device_id != device_id or not (loss._c_contiguous or loss._f_contiguous):
+                return None
+            if loss.size:
+                loss_ptr, meta = loss.data.ptr, _plan.loss_meta(loss.size, kind)
+                loss_chunks = -(-loss.size // _plan.CHUNK)
+        kernels = _kernels(config, device_id)
+        assert kernels is not None  # a packed state exists only where they compiled
+        with state.buffer.device:
+            stream = self.current_stream(state)
+            group = rows.get(device_id, [])
+            table, grad_chunks = self._table(tuple(group), device_id) if group else (None, 0)
+            scratch = self.scratch_for(state, stream)
+            if grad_chunks + loss_chunks == 0:  # nothing to check: every value is finite
+                nxt = self.launch_update(kernels, state, stream, (0, FLAG_TRUE), (0, FLAG_TRUE))
+            else:
+                nxt = self.new_record(state)
+                options = (_plan.MULTIPLY if config.scales else 0) | _plan.TAIL
+                kernels.step(
+                    (grad_chunks + loss_chunks,),
+                    (BLOCK_THREADS,),
+                    (
+                        _u64(0 if table is None else table.data.ptr),
+                        _i64(grad_chunks),
+                        _u64(loss_ptr),
+                        _i64(meta),
+                        _u64(state.ptr + _INV_OFFSET),
+                        scratch.buffer,
+                        state.buffer,
+                        nxt.buffer,
+                        _i64(options),
+                    ),
+                )
+        finite = nxt.view("finite")
+        loss_finite = None if loss is None else nxt.view("loss_finite")
+        state.pending = (finite, loss_finite, nxt)
+        return leaves, finite, loss_finite
+
+    def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        leaves = list(leaves)
+        rows, strided = self._rows(leaves)
         flags = []
         multiply = inv_scale is not None
         for device_id, group in rows.items():
+            kernels = _kernels(_DEFAULT_CONFIG, device_id)  # the check kernel is the same in every module
+            if kernels is None:
+                strided += [leaf for leaf in leaves if leaf.size and leaf.data.device_id == device_id]
+                continue
             with cupy.cuda.Device(device_id):
-                found_inf = cupy.zeros((), dtype=cupy.float32)
-                inv = inv_scale if multiply else _one(device_id)
+                scratch = cupy.zeros(_RECORD_FLOATS, dtype=cupy.float32)
+                inv = inv_scale if multiply else scratch[0]  # any float when only checking
                 if inv.data.device_id != device_id:
                     inv = cupy.asarray(inv)
-                table = self._table(group, device_id)
-                _kernel(device_id)(
-                    (table.size // CHUNK_DTYPE.itemsize,), (BLOCK_THREADS,), (table, inv, found_inf, np.int32(multiply))
+                table, chunks = self._table(tuple(group), device_id)
+                kernels.step(
+                    (chunks,),
+                    (BLOCK_THREADS,),
+                    (
+                        table,
+                        _i64(chunks),
+                        _u64(0),
+                        _i64(0),
+                        inv,
+                        scratch,
+                        _u64(0),
+                        _u64(0),
+                        _i64(_plan.MULTIPLY if multiply else 0),
+                    ),
                 )
-                flags.append(found_inf)
+                flags.append(scratch[offset_of("found_inf", "float32")[0] // 4])
         for leaf in strided:
             flags.append(self._strided(leaf, inv_scale))
         if not flags:
@@ -200,11 +396,13 @@ class CupyBackend(Backend):
             )
         with cupy.cuda.Device(leaf.device.id):
             wide = leaf.astype(cupy.float32) if leaf.dtype.itemsize < 4 else leaf
-            bad = cupy.logical_not(cupy.isfinite(wide).all()).astype(cupy.float32)
             if inv_scale is not None:
                 factor = inv_scale.astype(cupy.float64) if leaf.dtype == cupy.float64 else inv_scale
-                leaf[...] = (wide * factor).astype(leaf.dtype)
-        return bad
+                out = (wide * factor).astype(leaf.dtype)
+                leaf[...] = out
+                wide = out.astype(cupy.float32) if out.dtype.itemsize < 4 else out
+            # the stored values are checked: finite iff every unscaled value is
+            return cupy.logical_not(cupy.isfinite(wide).all()).astype(cupy.float32)
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         return self.check_and_unscale(leaves, None)[1]

@@ -21,13 +21,27 @@ from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from ampscale import _tree
+from ampscale._codegen import STATE_BYTES
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import INT_FIELDS, ScalerState
+from ampscale._cuda import _plan
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
 from ampscale.backends._base import Backend
+from ampscale.backends._packed import (
+    FLAG_BOOL,
+    FLAG_FALSE,
+    FLAG_FOUND_INF,
+    FLAG_TRUE,
+    CudaStep,
+    PackedState,
+    decode,
+    encode,
+    offset_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -155,7 +169,109 @@ def _batches(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
     return out
 
 
-class TorchBackend(Backend):
+# ------------------------------------------------------------------------------ CUDA helpers
+
+_RECORD_FLOATS = STATE_BYTES // 4  # the packed record as float32 elements
+_INV_OFFSET = offset_of("inv_scale", "float32")[0]
+_FOUND_INF_OFFSET = offset_of("found_inf", "float32")[0]
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+_KIND_CODES = {
+    torch.float16: _plan.KINDS["float16"],
+    torch.bfloat16: _plan.KINDS["bfloat16"],
+    torch.float32: _plan.KINDS["float32"],
+    torch.float64: _plan.KINDS["float64"],
+}
+_cuda_tables: dict[Any, Any] = {}
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _TorchPacked(PackedState):
+    """A packed state in a torch CUDA tensor of 20 float32 elements."""
+
+    __slots__ = ()
+
+    def _make_view(self, name: str) -> Any:
+        offset, dtype = offset_of(name, self.scale_dtype)
+        typed = self.buffer if dtype == "float32" else self.buffer.view(_TORCH_DTYPES[dtype])
+        view = typed[offset // typed.element_size()]
+        return view.view(torch.bool) if name in ("finite", "loss_finite") else view
+
+
+def _cuda_module(config: ScalerConfig, device: torch.device) -> Any:
+    """The emitted kernels for ``config`` on a CUDA ``device``; ``None`` where they cannot run
+    (not CUDA, ROCm, no driver or NVRTC: one PerformanceWarning says why)."""
+    if device.type != "cuda":
+        return None
+    key = f"torch-cuda-module:{device.index}"
+    cache = config._cache
+    if key in cache:
+        return cache[key]
+    from ampscale._cuda import driver
+
+    if getattr(torch.version, "hip", None) or _current_raw_stream is None:
+        reason = "this torch runs on ROCm" if getattr(torch.version, "hip", None) else "torch has no raw CUDA stream"
+        driver.warn_fallback("torch", reason)
+        module = None
+    else:
+        module = driver.module_for(config, device.index if device.index is not None else 0, "torch")
+    cache[key] = module
+    return module
+
+
+def _packed_from_values(values: ScalerState, config: ScalerConfig, device: torch.device) -> _TorchPacked:
+    record = torch.from_numpy(encode(values, config.scale_dtype).view(np.float32)).pin_memory()
+    buffer = record.to(device, non_blocking=True)  # pinned: queued on the stream, no sync
+    return _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype)
+
+
+def _packed_from_fields(fields: ScalerState, config: ScalerConfig) -> _TorchPacked:
+    """Pack a state of 0-d CUDA tensors into a record (on the device: no host read)."""
+    device = fields.scale.device
+    buffer = torch.zeros(_RECORD_FLOATS, dtype=torch.float32, device=device)
+    state = _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype)
+    for name in ScalerState._fields:
+        state.view(name).copy_(getattr(fields, name))
+    state.view("inv_scale").copy_(state.view("scale").double().reciprocal().float())
+    state.view("finite").fill_(True)
+    state.view("loss_finite").fill_(True)
+    return state
+
+
+def _cuda_plan(
+    leaves: list[Any], loss: Any, device: torch.device
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], torch.Tensor | None] | None:
+    """How a one-launch step covers ``leaves`` and ``loss`` on ``device``: the groups for torch's
+    kernel (one per dtype but bfloat16), the bfloat16 tensors for ampscale's kernel, the loss;
+    ``None`` when it cannot (another device, sparse or non-contiguous bfloat16, ...)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        if leaf.device != device or leaf.is_sparse or leaf.dtype not in _KIND_CODES:
+            return None
+        groups.setdefault(leaf.dtype, []).append(leaf)
+    own = groups.pop(torch.bfloat16, [])
+    if any(not t.is_contiguous() for t in own):
+        return None
+    if loss is not None and (
+        loss.device != device or loss.is_sparse or loss.dtype not in _KIND_CODES or not loss.is_contiguous()
+    ):
+        return None
+    return list(groups.values()), own, loss
+
+
+def _loss_argument(loss: torch.Tensor | None) -> tuple[int, int, int]:
+    """``(pointer, loss_meta, chunks)`` of the loss for ``ampscale_step``."""
+    if loss is None or loss.numel() == 0:
+        return 0, 0, 0
+    size = loss.numel()
+    return loss.data_ptr(), _plan.loss_meta(size, _KIND_CODES[loss.dtype]), -(-size // _plan.CHUNK)
+
+
+class TorchBackend(Backend, CudaStep):
     """The PyTorch adapter."""
 
     name: ClassVar[str] = "torch"
@@ -452,19 +568,25 @@ class TorchBackend(Backend):
     # -- state ------------------------------------------------------------------------------
     def host(self, state: ScalerState) -> bool:
         """Whether ``state`` is kept on the host (Python scalars) rather than device tensors."""
-        return not isinstance(state.scale, torch.Tensor)
+        return not isinstance(state, PackedState) and not isinstance(state.scale, torch.Tensor)
 
     def make_state(self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None) -> Any:
         if _is_cpu(like):
             return values if type(values) is ScalerState else ScalerState._make(values)
+        if _cuda_module(config, like.device) is not None:
+            return _packed_from_values(values, config, like.device)
         return super().make_state(values, config, like, previous)
 
     def read_state(self, state: ScalerState) -> ScalerState:
+        if isinstance(state, PackedState):
+            return decode(state.buffer.cpu().numpy(), state.scale_dtype)  # one copy (a sync)
         if self.host(state):
             return state
         return super().read_state(state)
 
     def public_state(self, state: ScalerState, config: ScalerConfig) -> ScalerState:
+        if isinstance(state, PackedState):
+            return state.fields()
         if not self.host(state):
             return state
         scale_dtype = torch.float64 if config.scale_dtype == "float64" else torch.float32
@@ -476,6 +598,8 @@ class TorchBackend(Backend):
         )
 
     def ops(self, config: ScalerConfig, state: ScalerState) -> ArrayOps | HostOps:
+        if isinstance(state, PackedState):
+            return None  # type: ignore[return-value] # run_transition launches the emitted C
         if self.host(state):
             ops = config._cache.get("host")
             if ops is None:
@@ -491,9 +615,139 @@ class TorchBackend(Backend):
         return ops  # type: ignore[no-any-return]
 
     def state_device_matches(self, state: ScalerState, like: Any) -> bool:
+        if isinstance(state, PackedState):
+            return isinstance(like, torch.Tensor) and like.device == state.buffer.device
         return self.host(state) == _is_cpu(like) and (
             self.host(state) or not isinstance(like, torch.Tensor) or like.device == state.scale.device
         )
+
+    def inverse_of(self, state: Any) -> Any:
+        if isinstance(state, PackedState):
+            return state.view("inv_scale")  # computed by the launch that wrote the state
+        return self.inverse_scale(self.scale_of(state))
+
+    def run_transition(
+        self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
+    ) -> tuple[Any, ScalerState | None, Any]:
+        if (
+            type(state) is ScalerState
+            and isinstance(state.scale, torch.Tensor)
+            and state.scale.is_cuda
+            and _cuda_module(config, state.scale.device) is not None
+        ):
+            # an unpacked device state (GradScaler.update(new_scale) replaces the scale): pack it
+            state = _packed_from_fields(state, config)
+        if not isinstance(state, PackedState):
+            if ops is None:
+                ops = self.ops(config, state)
+            return super().run_transition(config, state, finite, loss_finite, ops)
+        module = _cuda_module(config, state.buffer.device)
+        nxt = self.update_packed(module, state, finite, loss_finite)
+        return nxt, None, nxt.view("floor_event")
+
+    # -- CUDA: the packed state and the one-launch update ------------------------------------
+    def new_record(self, like: PackedState, zero: bool = False) -> PackedState:
+        make = torch.zeros if zero else torch.empty
+        buffer = make(_RECORD_FLOATS, dtype=torch.float32, device=like.buffer.device)
+        return _TorchPacked(buffer, buffer.data_ptr(), like.scale_dtype)
+
+    def current_stream(self, state: PackedState) -> int:
+        assert _current_raw_stream is not None  # checked by _cuda_module
+        return int(_current_raw_stream(state.buffer.device.index))
+
+    def flag_argument(self, flag: Any, state: PackedState) -> tuple[int, int, Any]:
+        if isinstance(flag, bool):
+            return 0, FLAG_TRUE if flag else FLAG_FALSE, None
+        if not isinstance(flag, torch.Tensor):
+            flag = torch.as_tensor(flag)
+        if flag.device != state.buffer.device:
+            flag = flag.to(state.buffer.device, non_blocking=True)
+        if flag.dtype == torch.bool:
+            return flag.data_ptr(), FLAG_BOOL, flag
+        flag = flag.to(torch.bool)
+        return flag.data_ptr(), FLAG_BOOL, flag
+
+    def fused_unscale(
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+    ) -> tuple[list[Any], Any, Any] | None:
+        if not isinstance(state, PackedState):
+            return None
+        device = state.buffer.device
+        module = _cuda_module(config, device)
+        plan = _cuda_plan(leaves, loss, device)
+        if module is None or plan is None:
+            return None
+        torch_groups, own, loss_tensor = plan
+        stream = self.current_stream(state)
+        scratch = self.scratch_for(state, stream)
+        with _no_grad():
+            if config.scales:
+                # torch's own kernel (GradScaler's), its flag pointed at the record's scratch
+                found_inf, inv = scratch.view("found_inf"), state.view("inv_scale")
+                for group in torch_groups:
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
+            else:
+                own = leaves  # guard mode: check only, in ampscale's kernel (nothing written)
+        nxt = self.new_record(state)
+        if own or loss_tensor is not None:
+            # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA) and the
+            # loss, then the transition in its last block
+            table, grad_chunks = self._chunk_table(own, device) if own else (None, 0)
+            loss_ptr, meta, loss_chunks = _loss_argument(loss_tensor)
+            options = (_plan.MULTIPLY if config.scales else 0) | _plan.TAIL
+            module.launch(
+                module.step,
+                module.context,
+                grad_chunks + loss_chunks,
+                _plan.BLOCK_THREADS,
+                stream,
+                0 if table is None else table.data_ptr(),
+                grad_chunks,
+                loss_ptr,
+                meta,
+                state.ptr + _INV_OFFSET,
+                scratch.ptr,
+                state.ptr,
+                nxt.ptr,
+                options,
+            )
+        else:
+            found = scratch.ptr + _FOUND_INF_OFFSET
+            module.launch(
+                module.update,
+                module.context,
+                1,
+                1,
+                stream,
+                state.ptr,
+                nxt.ptr,
+                found,
+                FLAG_FOUND_INF,
+                0,
+                FLAG_TRUE,
+                scratch.ptr,
+            )
+        finite = nxt.view("finite")
+        loss_finite = None if loss is None else nxt.view("loss_finite")
+        state.pending = (finite, loss_finite, nxt)
+        return leaves, finite, loss_finite
+
+    def _chunk_table(self, leaves: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+        """The chunk table of contiguous ``leaves`` on ``device``, cached while they stay the same."""
+        rows = tuple((t.data_ptr(), t.numel(), _KIND_CODES[t.dtype]) for t in leaves if t.numel())
+        tables: dict[Any, Any] = _cuda_tables
+        key = (device, rows)
+        entry = tables.get(key)
+        if entry is None:
+            addresses, sizes, kinds = zip(*rows, strict=True) if rows else ((), (), ())
+            host = torch.from_numpy(_plan.chunk_table(addresses, sizes, kinds).view(np.uint8)).pin_memory()
+            # pinned, non-blocking: no sync; the pinned copy stays referenced with the table
+            entry = (host.to(device, non_blocking=True), host)
+            if len(tables) > 32:
+                tables.pop(next(iter(tables)))
+            tables[key] = entry
+        table = entry[0]
+        return table, table.numel() // _plan.CHUNK_DTYPE.itemsize
 
     # -- small helpers ----------------------------------------------------------------------
     def multiply_by_scale(self, loss: Any, scale: Any) -> Any:

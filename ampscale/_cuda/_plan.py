@@ -1,31 +1,76 @@
-"""The host side of the CuPy kernel that needs no GPU: dtype codes and the chunk table.
+"""The host side of the CUDA kernels that needs no GPU: the module source, dtype codes, the chunk table.
 
-Kept apart from ``ampscale.backends.cupy`` (which imports CuPy) so that it is tested on any
-machine. The table layout matches ``struct AmpscaleChunk`` in ``cupy_kernels.cu``.
+Kept free of any framework import so that it is tested on any machine. The table layout
+matches ``struct AmpscaleChunk`` in ``kernels.cu``; the state record is
+:func:`ampscale._codegen.state_dtype`.
 """
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["CHUNK", "CHUNK_DTYPE", "KINDS", "chunk_table", "kernel_source"]
+from ampscale._codegen import C_PRELUDE, c_transition
+
+if TYPE_CHECKING:
+    from ampscale._config import ScalerConfig
+
+__all__ = [
+    "BLOCK_THREADS",
+    "CHUNK",
+    "CHUNK_DTYPE",
+    "COMPILE_OPTIONS",
+    "KINDS",
+    "MULTIPLY",
+    "TAIL",
+    "chunk_table",
+    "kernel_source",
+    "loss_meta",
+    "module_source",
+]
 
 #: dtype name -> the kernel's AMPSCALE_KIND_* code
 KINDS = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 #: elements per chunk (one CUDA block each): 64 Ki elements, a few hundred KB per block
 CHUNK = 1 << 16
+#: threads per block of ``ampscale_step``
+BLOCK_THREADS = 512
 #: the layout of ``struct AmpscaleChunk``: 4 x 8 bytes
 CHUNK_DTYPE = np.dtype([("data", "<u8"), ("start", "<i8"), ("length", "<i8"), ("kind", "<i8")])
+#: ``options`` bits of ``ampscale_step``
+MULTIPLY, TAIL = 1, 2
+#: compiler options (NVRTC and nvcc spell them alike): IEEE division, no contraction to FMA, no
+#: flush-to-zero (scales can be subnormal; flushing changes ``scale == floor``), never fast math;
+#: C++17 for the hex float literals
+COMPILE_OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--std=c++17")
 
-_SOURCE = pathlib.Path(__file__).with_name("cupy_kernels.cu")
+_SOURCE = pathlib.Path(__file__).with_name("kernels.cu")
 
 
 def kernel_source() -> str:
-    """The CUDA source of the kernel (``ampscale/backends/cupy_kernels.cu``)."""
+    """The configuration-independent CUDA source (``ampscale/_cuda/kernels.cu``)."""
     return _SOURCE.read_text()
+
+
+def module_source(config: ScalerConfig) -> str:
+    """The whole CUDA module for ``config``: the emitted transition, then the kernels."""
+    return "\n".join(
+        [
+            f"// ampscale module for preset {config.preset!r}, mode {config.mode!r}",
+            f"#define AMPSCALE_CHUNK {CHUNK}LL",
+            C_PRELUDE,
+            c_transition(config),
+            kernel_source(),
+        ]
+    )
+
+
+def loss_meta(size: int, kind: int) -> int:
+    """The ``loss_meta`` argument of ``ampscale_step``: element count << 8 | dtype code."""
+    return (size << 8) | kind
 
 
 def chunk_table(addresses: Sequence[int], sizes: Sequence[int], kinds: Sequence[int], chunk: int = CHUNK) -> np.ndarray:
