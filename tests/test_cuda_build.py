@@ -118,14 +118,12 @@ def test_nvrtc_errors_carry_the_log() -> None:
 # ------------------------------------------------------------------------------ host harness
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory: pytest.TempPathFactory):
-    """The module of the torch preset, built for the CPU with the grid-emulating harness."""
+def build_harness(config, directory: pathlib.Path) -> ctypes.CDLL:
+    """The module of ``config``, built for the CPU with the grid-emulating harness."""
     if CXX is None:
         pytest.skip("no C++ compiler on PATH")
-    directory = tmp_path_factory.mktemp("cuda")
     source = directory / "module.cpp"
-    source.write_text(_plan.module_source(CONFIGS["torch"]))
+    source.write_text(_plan.module_source(config))
     lib = directory / "libampscale_host.so"
     command = [CXX, "-DAMPSCALE_HOST_TEST", "-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing"]
     subprocess.run([*command, "-o", str(lib), str(source)], check=True, timeout=300)
@@ -133,8 +131,13 @@ def harness(tmp_path_factory: pytest.TempPathFactory):
     p, q = ctypes.c_void_p, ctypes.c_longlong
     so.ampscale_host_step.argtypes = [p, q, ctypes.c_ulonglong, q, q, q, ctypes.c_float, p, p, p, q, ctypes.c_int]
     so.ampscale_host_step.restype = ctypes.c_int
-    so.ampscale_host_update.argtypes = [p, p, p, q, p, q]
+    so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
     return so
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return build_harness(CONFIGS["torch"], tmp_path_factory.mktemp("cuda"))
 
 
 def kinds_of(arrays: list[np.ndarray]) -> list[int]:
@@ -320,6 +323,7 @@ def test_update_kernel_reads_every_kind_of_flag(harness) -> None:
             kind,
             None if loss_flag is None else loss_flag.ctypes.data,
             loss_kind,
+            None,
         )
         want, _ = ops.run(values, finite, loss_ok)
         assert decode(out.view(np.uint8), "float32") == want

@@ -426,8 +426,9 @@ extern "C" int ampscale_host_step(const AmpscaleChunk* chunks, long long grad_ch
 
 extern "C" void ampscale_host_update(const struct ampscale_State* in, struct ampscale_State* out,
                                      const void* finite_flag, long long finite_kind, const void* loss_flag,
-                                     long long loss_kind) {
+                                     long long loss_kind, struct ampscale_State* scratch) {
     const int loss_finite = ampscale_read_flag(loss_flag, loss_kind);
     ampscale_write_next(in, out, ampscale_read_flag(finite_flag, finite_kind) && loss_finite, loss_finite);
+    if (scratch) ampscale_reset(scratch);
 }
 #endif

@@ -224,8 +224,10 @@ def _cuda_module(config: ScalerConfig, device: torch.device) -> Any:
 
 
 def _packed_from_values(values: ScalerState, config: ScalerConfig, device: torch.device) -> _TorchPacked:
-    record = torch.from_numpy(encode(values, config.scale_dtype).view(np.float32)).pin_memory()
-    buffer = record.to(device, non_blocking=True)  # pinned: queued on the stream, no sync
+    record = torch.from_numpy(encode(values, config.scale_dtype).view(np.float32))
+    if device.type == "cuda":
+        record = record.pin_memory()  # pinned: the copy is queued on the stream, no sync
+    buffer = record.to(device, non_blocking=True)
     return _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype)
 
 
@@ -740,8 +742,9 @@ class TorchBackend(Backend, CudaStep):
         entry = tables.get(key)
         if entry is None:
             addresses, sizes, kinds = zip(*rows, strict=True) if rows else ((), (), ())
-            host = torch.from_numpy(_plan.chunk_table(addresses, sizes, kinds).view(np.uint8)).pin_memory()
-            # pinned, non-blocking: no sync; the pinned copy stays referenced with the table
+            host = torch.from_numpy(_plan.chunk_table(addresses, sizes, kinds).view(np.uint8))
+            if device.type == "cuda":
+                host = host.pin_memory()  # pinned, non-blocking: no sync; kept alive with the table
             entry = (host.to(device, non_blocking=True), host)
             if len(tables) > 32:
                 tables.pop(next(iter(tables)))
