@@ -110,24 +110,12 @@ def cases(workload: str) -> list[Case]:
 
 
 def cuda_cases(workload: str) -> list[Case]:
-    """The same rows on the GPU, against the device's own L (an in-place mul_ of one buffer)."""
+    """The same rows on the GPU (the GPU's L, with CUDA events, is measured by ``run.py``)."""
     dtype = WORKLOADS[workload][1]
     sync = torch.cuda.synchronize
     grads = [t.cuda() for t in _tensors(workload)]
     moved = 2 * nbytes(grads)
-    buffer = torch.cat([g.reshape(-1) for g in _tensors(workload)]).cuda()
-    out = [
-        Case(
-            "torch-cuda",
-            workload,
-            "L: torch mul_ (cuda)",
-            lambda i: buffer.mul_(SCALES[i % 2]),
-            moved,
-            device="gpu",
-            limit=True,
-            sync=sync,
-        )
-    ]
+    out: list[Case] = []
     scalers = [ampscale.create_scaler(backend="torch", init_scale=s, growth_interval=10**9) for s in SCALES]
 
     def functional(i: int) -> None:
@@ -138,6 +126,19 @@ def cuda_cases(workload: str) -> list[Case]:
     out.append(
         Case("torch-cuda", workload, "ampscale torch (unscale + update)", functional, moved, device="gpu", sync=sync)
     )
+    drop_grads = [t.cuda() for t in _tensors(workload)]
+    drop_opt = _with_grads(drop_grads)
+    drop_in = [amp_torch.GradScaler("cuda", init_scale=s, growth_interval=10**9) for s in SCALES]
+    for scaler in drop_in:
+        scaler.scale(torch.ones((), device="cuda"))
+
+    def drop_in_step(i: int) -> None:
+        scaler = drop_in[i % 2]
+        scaler.unscale_(drop_opt)
+        scaler.step(drop_opt)
+        scaler.update()
+
+    out.append(Case("torch-cuda", workload, "ampscale.torch.GradScaler", drop_in_step, moved, device="gpu", sync=sync))
     fused_grads = [t.cuda() for t in _tensors(workload)]
     found_inf = torch.zeros((), device="cuda")
     invs = [torch.tensor(1.0 / s, device="cuda") for s in SCALES]

@@ -5,8 +5,11 @@ prints ms per step, GB/s (bytes read + written by the in-place unscale), the rat
 and to the best anchor installed, all measured in the same run:
 
 * **L**: the same bytes moved by one in-place multiply over one contiguous buffer with every
-  core (torch ``buf.mul_``; a NumPy multiply split over threads when torch is absent); on a GPU,
-  the device's in-place multiply (``cupy`` ``buf *= s``).
+  core (torch ``buf.mul_``; a NumPy multiply split over threads when torch is absent). On a GPU,
+  L is the device's own memory speed: a device-to-device copy and an in-place multiply of one
+  buffer of the same bytes, timed with CUDA events (the faster of the two), printed beside the
+  device's nominal bandwidth. GPU rows also give kernel launches per step (counted by the
+  profiler) and the host's microseconds per step (calls queued without waiting for the GPU).
 * **W0**: one array of 1024 float32 values (the fixed per-step cost, full step);
   **W1**: GPT-2 small's 148 parameter shapes (124.4 M float32 values); **W1h**: the same in
   float16; **W2**: 2000 arrays of 4096 float32 values.
@@ -102,6 +105,8 @@ class Result:
     note: str = ""
     device: str = "cpu"
     limit: bool = False
+    launches: float | None = None  # kernel launches (and copies) per step, GPU rows
+    host_us: float | None = None  # host microseconds per step without waiting for the GPU
 
     @property
     def gbps(self) -> float:
@@ -160,9 +165,130 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
             case.sync()
             gc.enable()
             best[id(case)] = min(best[id(case)], elapsed)
-    return [
-        Result(c.backend, c.workload, c.name, best[id(c)], c.moved, c.anchor, c.note, c.device, c.limit) for c in cases
-    ]
+    results = []
+    for c in cases:
+        launches = host_us = None
+        if c.device == "gpu" and not c.limit:
+            launches = launches_per_step(c)
+            host_us = host_microseconds(c)
+        results.append(
+            Result(
+                c.backend,
+                c.workload,
+                c.name,
+                best[id(c)],
+                c.moved,
+                c.anchor,
+                c.note,
+                c.device,
+                c.limit,
+                launches,
+                host_us,
+            )
+        )
+    return results
+
+
+# ------------------------------------------------------------------------------ GPU measures
+
+
+def launches_per_step(case: Case, steps: int = 4) -> float | None:
+    """Kernels, memsets and copies per step on the GPU, counted by torch's profiler (CUPTI sees
+    every kernel of the process, CuPy's too); ``None`` without torch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    case.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            case.step(i)
+        case.sync()
+    count = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return count / steps
+
+
+def host_microseconds(case: Case, steps: int = 40) -> float:
+    """The host's time per step, the GPU left to run behind (no wait inside the timed calls)."""
+    case.sync()
+    start = time.perf_counter()
+    for i in range(steps):
+        case.step(i)
+    elapsed = time.perf_counter() - start
+    case.sync()
+    if steps % 2:
+        case.step(0)
+        case.sync()
+    return elapsed / steps * 1e6
+
+
+def gpu_limit(workload: str) -> tuple[Result, str] | None:
+    """L on the GPU: the best of a device-to-device copy and an in-place multiply of one buffer
+    of the workload's bytes, each timed with CUDA events; and a note with the nominal bandwidth."""
+    shapes, dtype = WORKLOADS[workload]
+    total = sum(int(np.prod(s)) for s in shapes)
+    moved = 2 * total * np.dtype(dtype).itemsize
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        source = torch.randn(total, device="cuda").to(getattr(torch, dtype))
+        target = torch.empty_like(source)
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        copy_fn: Callable[[], Any] = lambda: target.copy_(source)  # noqa: E731
+        scale_fn: Callable[[], Any] = lambda: source.mul_(1.0)  # noqa: E731
+
+        def timed(fn: Callable[[], Any], reps: int) -> float:
+            events[0].record()
+            for _ in range(reps):
+                fn()
+            events[1].record()
+            events[1].synchronize()
+            return events[0].elapsed_time(events[1]) / 1e3 / reps
+
+        nominal = _nominal_bandwidth()
+    except ImportError:
+        return None
+    reps = 200 if moved < 1 << 20 else 20
+    best = {"copy": float("inf"), "in-place multiply": float("inf")}
+    for _ in range(5):
+        for name, fn in (("copy", copy_fn), ("in-place multiply", scale_fn)):
+            fn()
+            best[name] = min(best[name], timed(fn, reps))
+    name = min(best, key=lambda k: best[k])
+    seconds = best[name]
+    other = next(k for k in best if k != name)
+    note = f"CUDA events; {other}: {moved / best[other] / 1e9:.0f} GB/s"
+    if nominal:
+        note += f"; nominal {nominal / 1e9:.0f} GB/s"
+    result = Result("limit", workload, f"L: device {name} (CUDA events)", seconds, moved, device="gpu", limit=True)
+    result.note = note
+    return result, note
+
+
+def _nominal_bandwidth() -> float | None:
+    """The device's nominal memory bandwidth in bytes/s (memory clock x bus width x 2), if known."""
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        clock_khz = runtime.deviceGetAttribute(runtime.cudaDevAttrMemoryClockRate, 0)
+        bus_bits = runtime.deviceGetAttribute(runtime.cudaDevAttrGlobalMemoryBusWidth, 0)
+        return 2.0 * clock_khz * 1e3 * bus_bits / 8
+    except Exception:
+        pass
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+        return 2.0 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+    except Exception:
+        return None
 
 
 # ------------------------------------------------------------------------------ the limit L
@@ -261,10 +387,21 @@ def _register_optional() -> None:
 
 
 def report(results: list[Result], as_markdown: bool) -> str:
-    header = ["backend", "workload", "implementation", "ms/step", "GB/s", "x L", "x best anchor", "note"]
+    header = [
+        "backend",
+        "workload",
+        "implementation",
+        "ms/step",
+        "GB/s",
+        "x L",
+        "x best anchor",
+        "launches/step",
+        "host us/step",
+        "note",
+    ]
     rows = []
     for r in results:
-        limit = next(x for x in results if x.limit and x.workload == r.workload and x.device == r.device)
+        limit = next((x for x in results if x.limit and x.workload == r.workload and x.device == r.device), None)
         if r.limit and r.device == "gpu" and r is not limit:
             continue  # several backends may each measure the GPU's L: keep the first
         anchors = [a for a in results if a.anchor and a.workload == r.workload and a.device == r.device]
@@ -280,8 +417,10 @@ def report(results: list[Result], as_markdown: bool) -> str:
                 name,
                 time_text,
                 f"{r.gbps:.1f}",
-                f"{limit.seconds / r.seconds:.2f}",
+                "-" if limit is None else f"{limit.seconds / r.seconds:.2f}",
                 ratio_a if not r.limit else "-",
+                "-" if r.launches is None else f"{r.launches:g}",
+                "-" if r.host_us is None else f"{r.host_us:.1f}",
                 r.note,
             ]
         )
@@ -326,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         cases = [limit_case(workload)]
         for backend in backends:
             cases += ROW_PROVIDERS[backend](workload)
+        if any(c.device == "gpu" for c in cases):
+            limit = gpu_limit(workload)
+            if limit is not None:
+                results.append(limit[0])
         results += measure(cases, **budget(workload, args.quick))
         del cases
         gc.collect()

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, well under ten minutes on one GPU:
+# Every GPU check in one command, in about 8 minutes at most on one GPU (each stage has a limit):
 #   1. set up ampscale from this tree (no package index needed: wheels in .whl/ are used if present),
-#   2. the GPU tests: CuPy, torch CUDA, the shared contract and reliability tests on every GPU
-#      framework, the CuPy example on the GPU,
-#   3. the GPU benchmark rows (CuPy, torch CUDA, JAX GPU),
+#      and build its C extensions (the NumPy kernel, the CUDA driver launcher),
+#   2. the GPU tests: the one-launch CUDA step (device transition against the host one, gradients
+#      bit for bit against torch.amp.GradScaler, last-block stress, two streams, launches per step
+#      counted by the profiler, no sync), CuPy, torch CUDA, the shared contract and reliability tests
+#      on every GPU framework, the CUDA build tests (NVRTC and nvcc PTX), the CuPy example,
+#   3. the GPU benchmark (L measured with CUDA events, launches and host microseconds per step),
+#      and the issue's targets read from it,
 #   4. the JAX tests with JAX on the GPU (JAX's default device there).
 # Usage: bash scripts/gpu-check.sh [output directory]   (logs and the benchmark table land there)
 # Limits (seconds) and the benchmarked backends can be set: GPU_TESTS_LIMIT, BENCH_LIMIT,
-# JAX_TESTS_LIMIT, BENCH_BACKENDS (e.g. "cupy,torch").
+# JAX_TESTS_LIMIT, BENCH_BACKENDS (default "cupy,torch").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check-output}}"
@@ -15,6 +19,7 @@ mkdir -p "$out"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX, CuPy and torch share the GPU in one process
+export AMPSCALE_CACHE_DIR="${AMPSCALE_CACHE_DIR:-/tmp/ampscale-cuda-cache}"  # NVRTC binaries, shared by the workers
 status=0
 
 echo "== machine"
@@ -23,13 +28,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # dependencies carried as wheels
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ampscale-site .whl/*.whl || status=1
     export PYTHONPATH="/tmp/ampscale-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# The package runs from this tree; build its native NumPy kernel in place.
+# The package runs from this tree; build its native extensions in place.
 "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || {
-    echo "setup.py build_ext failed (see build.log); compiling the kernel directly"
-    gcc -O3 -std=c11 -fno-math-errno -fno-trapping-math -shared -fPIC -pthread \
-        $("$py" -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])") \
-        ampscale/backends/_native.c \
-        -o "ampscale/backends/_native$("$py" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+    echo "setup.py build_ext failed (see build.log); compiling the extensions directly"
+    include=$("$py" -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
+    suffix=$("$py" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    gcc -O3 -std=c11 -fno-math-errno -fno-trapping-math -shared -fPIC -pthread $include \
+        ampscale/backends/_native.c -o "ampscale/backends/_native$suffix"
+    gcc -O2 -std=c11 -shared -fPIC $include ampscale/_cuda/_driver.c -ldl -o "ampscale/_cuda/_driver$suffix"
 }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" - <<'PY'
@@ -38,12 +44,15 @@ import importlib
 import ampscale
 
 print("ampscale", ampscale.__version__, "from", ampscale.__file__)
-for name in ("cupy", "torch", "jax", "jmp", "ampscale.backends._native"):
+for name in ("cupy", "torch", "jax", "jmp", "ampscale.backends._native", "ampscale._cuda._driver"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "ok"))
     except Exception as exc:  # noqa: BLE001
         print(name, "unavailable:", exc)
+from ampscale._cuda import driver, nvrtc
+
+print("CUDA step:", driver.unavailable_reason() or "available", "| NVRTC", nvrtc.version(), nvrtc.library_path())
 try:
     import jax
 
@@ -53,30 +62,69 @@ except Exception as exc:  # noqa: BLE001
 PY
 
 # pytest options: a per-test limit where pytest-timeout is installed (a hang names its test)
-opts=(-q -p no:cacheprovider -p no:benchmark -n 8 --no-header -rfE --durations=8)
-if "$py" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout=120); fi
+opts=(-q -p no:cacheprovider -p no:benchmark -n 8 --no-header -rfEs --durations=10)
+if "$py" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout=150); fi
 
-echo "== GPU tests (CuPy, torch CUDA, contract and reliability tests on the GPU frameworks)"
-timeout "${GPU_TESTS_LIMIT:-240}" "$py" -m pytest -m gpu "${opts[@]}" \
-    tests/test_cupy.py tests/test_scaler.py tests/test_overflow_detection.py tests/test_reliability.py \
-    tests/test_torch.py tests/test_examples.py \
+echo "== GPU tests (one-launch CUDA step, CuPy, torch CUDA, contract and reliability tests on the GPU frameworks)"
+timeout "${GPU_TESTS_LIMIT:-190}" "$py" -m pytest -m gpu "${opts[@]}" \
+    tests/test_cuda_gpu.py tests/test_cupy.py tests/test_scaler.py tests/test_overflow_detection.py \
+    tests/test_reliability.py tests/test_torch.py tests/test_examples.py \
     2>&1 | tee "$out/gpu-tests.log"
 code=${PIPESTATUS[0]}
 if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then status=1; fi
+echo "== CUDA build and host tests (NVRTC and nvcc PTX for sm_80/sm_90, the kernels on the host)"
+timeout 60 "$py" -m pytest "${opts[@]}" tests/test_cuda_build.py tests/test_cuda_glue.py tests/test_codegen.py \
+    2>&1 | tee "$out/cuda-build-tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== GPU benchmark"
-backends=$("$py" - <<'PY'
-import importlib.util
-print(",".join(b for b in ("cupy", "torch", "jax") if importlib.util.find_spec(b)))
-PY
-)
-timeout "${BENCH_LIMIT:-240}" "$py" benchmarks/run.py --backends "${BENCH_BACKENDS:-$backends}" \
+timeout "${BENCH_LIMIT:-150}" "$py" benchmarks/run.py --backends "${BENCH_BACKENDS:-cupy,torch}" \
     --workloads W0,W1,W1h,W2 --quick --markdown --json "$out/gpu-benchmark.json" 2>&1 | tee "$out/gpu-benchmark.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+"$py" - "$out/gpu-benchmark.json" <<'PY' | tee "$out/gpu-targets.md"
+import json
+import sys
+
+rows = json.load(open(sys.argv[1]))
+
+
+def row(backend, workload, name):
+    return next((r for r in rows if r["backend"] == backend and r["workload"] == workload and r["name"] == name), None)
+
+
+def limit(workload):
+    return next((r for r in rows if r["limit"] and r["device"] == "gpu" and r["workload"] == workload), None)
+
+
+def show(target, value, ok):
+    print(f"| {target} | {value} | {'met' if ok else 'NOT met'} |")
+
+
+print("| target | measured | |\n|---|---|---|")
+t0 = row("torch-cuda", "W0", "ampscale torch (unscale + update)")
+c0 = row("cupy", "W0", "ampscale cupy (one launch: unscale + update)")
+t1 = row("torch-cuda", "W1", "ampscale torch (unscale + update)")
+f1 = row("torch-cuda", "W1", "torch fused kernel only")
+g1 = row("torch-cuda", "W1", "torch.amp.GradScaler")
+c1 = row("cupy", "W1", "ampscale cupy (one launch: unscale + update)")
+if t0:
+    show("torch CUDA W0 <= 40 us", f"{t0['seconds'] * 1e6:.1f} us", t0["seconds"] <= 40e-6)
+    show("torch CUDA launches per step = 2", t0["launches"], t0["launches"] == 2)
+if t1 and f1:
+    show("torch CUDA W1 <= 1.05x the fused kernel", f"{t1['seconds'] / f1['seconds']:.3f}x", t1["seconds"] <= 1.05 * f1["seconds"])
+if t1 and g1:
+    show("torch CUDA W1 >= 2x faster than GradScaler", f"{g1['seconds'] / t1['seconds']:.2f}x", g1["seconds"] >= 2 * t1["seconds"])
+if c0:
+    show("CuPy W0 <= 40 us", f"{c0['seconds'] * 1e6:.1f} us", c0["seconds"] <= 40e-6)
+    show("CuPy launches per step = 1", c0["launches"], c0["launches"] == 1)
+if c1 and limit("W1"):
+    fraction = limit("W1")["seconds"] / c1["seconds"]
+    show("CuPy W1 >= 0.85 L", f"{fraction:.2f} L", fraction >= 0.85)
+PY
 
 echo "== JAX tests with JAX on the GPU"
 if "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-    timeout "${JAX_TESTS_LIMIT:-200}" "$py" -m pytest "${opts[@]}" \
+    timeout "${JAX_TESTS_LIMIT:-50}" "$py" -m pytest "${opts[@]}" \
         tests/test_jax.py tests/test_scaler.py tests/test_overflow_detection.py -k "jax" \
         2>&1 | tee "$out/jax-gpu-tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
