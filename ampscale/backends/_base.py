@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ampscale import _tree
 from ampscale._core import INT_FIELDS, ScalerState, transition
 from ampscale._ops import ArrayOps, HostOps
+from ampscale.backends._packed import PackedState
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -241,6 +242,8 @@ class Backend(abc.ABC):
 
     def inverse_of(self, state: Any) -> Any:
         """The inverse scale for unscaling with ``state`` (packed states keep it precomputed)."""
+        if isinstance(state, PackedState):
+            return state.view("inv_scale")  # computed by the launch that wrote the state
         return self.inverse_scale(self.scale_of(state))
 
     def host(self, state: ScalerState) -> bool:

@@ -204,11 +204,6 @@ class CupyBackend(Backend, CudaStep):
             ops = config._cache[key] = ArrayOps(config, _TRANSITION_XP, state.scale.device, True, cache_constants=True)
         return ops  # type: ignore[no-any-return]
 
-    def inverse_of(self, state: Any) -> Any:
-        if isinstance(state, PackedState):
-            return state.view("inv_scale")  # computed by the launch that wrote the state
-        return self.inverse_scale(self.scale_of(state))
-
     def run_transition(
         self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
     ) -> tuple[Any, ScalerState | None, Any]:

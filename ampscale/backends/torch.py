@@ -623,11 +623,6 @@ class TorchBackend(Backend, CudaStep):
             self.host(state) or not isinstance(like, torch.Tensor) or like.device == state.scale.device
         )
 
-    def inverse_of(self, state: Any) -> Any:
-        if isinstance(state, PackedState):
-            return state.view("inv_scale")  # computed by the launch that wrote the state
-        return self.inverse_scale(self.scale_of(state))
-
     def run_transition(
         self, config: ScalerConfig, state: Any, finite: Any, loss_finite: Any, ops: Any
     ) -> tuple[Any, ScalerState | None, Any]:
@@ -690,13 +685,13 @@ class TorchBackend(Backend, CudaStep):
                     torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
             else:
                 own = leaves  # guard mode: check only, in ampscale's kernel (nothing written)
-        nxt = self.new_record(state)
         if own or loss_tensor is not None:
             # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA) and the
             # loss, then the transition in its last block
             table, grad_chunks = self._chunk_table(own, device) if own else (None, 0)
             loss_ptr, meta, loss_chunks = _loss_argument(loss_tensor)
             options = (_plan.MULTIPLY if config.scales else 0) | _plan.TAIL
+            nxt = self.new_record(state)
             module.launch(
                 module.step,
                 module.context,
@@ -713,22 +708,9 @@ class TorchBackend(Backend, CudaStep):
                 nxt.ptr,
                 options,
             )
-        else:
-            found = scratch.ptr + _FOUND_INF_OFFSET
-            module.launch(
-                module.update,
-                module.context,
-                1,
-                1,
-                stream,
-                state.ptr,
-                nxt.ptr,
-                found,
-                FLAG_FOUND_INF,
-                0,
-                FLAG_TRUE,
-                scratch.ptr,
-            )
+        else:  # the transition, reading torch's flag from the scratch (and resetting it)
+            found = (scratch.ptr + _FOUND_INF_OFFSET, FLAG_FOUND_INF)
+            nxt = self.launch_update(module, state, stream, found, (0, FLAG_TRUE), scratch)
         finite = nxt.view("finite")
         loss_finite = None if loss is None else nxt.view("loss_finite")
         state.pending = (finite, loss_finite, nxt)
