@@ -675,6 +675,8 @@ class TorchBackend(Backend, CudaStep):
         if module is None or plan is None:
             return None
         torch_groups, own, loss_tensor = plan
+        if not config.scales and not all(t.is_contiguous() for group in torch_groups for t in group):
+            return None  # guard mode checks every leaf in ampscale's kernel, which needs them contiguous
         stream = self.current_stream(state)
         scratch = self.scratch_for(state, stream)
         with _no_grad():
