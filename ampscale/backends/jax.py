@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ampscale._config import ScalerConfig
 from ampscale._core import ScalerState, initial_values
-from ampscale._ops import ArrayOps
+from ampscale._ops import ArrayOps, PlainNamespace
 from ampscale.backends._base import Backend
 
 if TYPE_CHECKING:
@@ -190,7 +191,10 @@ class JaxBackend(Backend):
         key = f"jax:x64={jax.config.jax_enable_x64}"
         ops = config._cache.get(key)
         if ops is None:
-            ops = config._cache[key] = ArrayOps(config, jnp, None, self.has_float64(None))
+            # Cached on the config, so it outlives the trace that may build it: its constants
+            # are NumPy values (_TRANSITION_XP), never JAX arrays, which under jit, pmap or
+            # shard_map would be values of that one trace (bound to its mesh).
+            ops = config._cache[key] = ArrayOps(config, _TRANSITION_XP, None, self.has_float64(None))
         return ops  # type: ignore[no-any-return]
 
     def read_state(self, state: Any) -> ScalerState:
@@ -256,6 +260,12 @@ class JaxBackend(Backend):
             return self.as_bool(group(finite))
         # every device of the axis ends with the same flag: false if any had an overflow
         return jax.lax.pmin(finite.astype(jnp.int32), group).astype(jnp.bool_)
+
+
+#: jax.numpy for the transition's operations, NumPy for its constants (see JaxBackend.ops).
+_TRANSITION_XP = PlainNamespace(
+    jnp, jnp.bool_, lambda x, dtype: jnp.astype(x, dtype), lambda value, dtype, _device: np.asarray(value, dtype=dtype)
+)
 
 
 def _unscale(x: Any, inv_scale: Any) -> Any:
