@@ -28,6 +28,9 @@ scale_dtype         the dtype the scale is stored in: float32, or float64 for sy
 factor_precision    the precision of the factors in ``scale * factor``: float64 where the
                     system multiplies by a double (torch's kernels, DeepSpeed, apex), float32
                     where it multiplies two float32 values (jmp, flax, Megatron, Keras).
+grad_dtype          ``"keep"``: each gradient is unscaled in its own dtype (every preset);
+                    ``"promote"``: float16 and bfloat16 gradients are unscaled into float32
+                    copies, as jmp's ``unscale`` returns them (its scale is a float32 array).
 =================== =====================================================================
 """
 
@@ -91,6 +94,7 @@ _CHOICES: Final[dict[str, tuple[str, ...]]] = {
     "ceiling": ("skip", "clamp"),
     "scale_dtype": ("float32", "float64"),
     "factor_precision": ("float32", "float64"),
+    "grad_dtype": ("keep", "promote"),
 }
 
 
@@ -131,6 +135,7 @@ def _preset(name: str, system: str, source: str, single_factor: bool = False, **
         "on_floor": "ignore",
         "floor_patience": 1,
         "axis_name": None,
+        "grad_dtype": "keep",
     }
     base.update(defaults)
     if single_factor:
@@ -282,6 +287,7 @@ _SETTINGS: Final = (
     "scale_dtype",
     "factor_precision",
     "axis_name",
+    "grad_dtype",
 )
 
 
@@ -332,6 +338,7 @@ class ScalerConfig:
     scale_dtype: str
     factor_precision: str
     axis_name: Hashable | None = None
+    grad_dtype: str = "keep"
 
     # Derived values, computed once in __post_init__.
     interval: int = dataclasses.field(init=False, repr=False)

@@ -246,9 +246,15 @@ class Scaler:
                 return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
         inv = backend.inverse_of(state) if config.scales else None
         fraction = None
+        count = underflow
+        if config.grad_dtype == "promote" and leaves:
+            if count:  # tiny values are counted in the gradients' own dtypes, before promotion
+                fraction = backend.check_unscale_and_count(leaves, None)[2]
+                count = False
+            leaves = backend.promote(leaves)
         if not leaves:
             new_leaves, finite = leaves, backend.as_bool(True, like)
-        elif underflow:
+        elif count:
             new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
         else:
             new_leaves, finite = backend.check_and_unscale(leaves, inv)
@@ -570,7 +576,10 @@ def create_scaler(
         axis_name: default group for agreement across devices (see :meth:`Scaler.unscale`).
         **rules: the orthogonal rule settings ``counter_rule``, ``interval_offset``,
             ``first_growth_delay``, ``hysteresis_mode``, ``backoff_rule``, ``ceiling``,
-            ``scale_dtype``, ``factor_precision`` (see ``docs/presets.md``).
+            ``scale_dtype``, ``factor_precision`` (see ``docs/presets.md``), and
+            ``grad_dtype``: ``"keep"`` (default: each gradient is unscaled in its own dtype)
+            or ``"promote"`` (float16 and bfloat16 gradients come back as float32, as jmp's
+            ``unscale`` returns them).
 
     Raises:
         ValueError: a setting is out of its accepted range (the message names it and the range),

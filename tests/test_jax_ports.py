@@ -108,3 +108,32 @@ def test_a_scaler_built_inside_a_trace_works_in_any_other(built_in: str) -> None
             assert scales == [2.0**10], (built_in, used_in)
         else:
             assert scales == [2.0**10, 2.0**9, 2.0**10, 2.0**10], (built_in, used_in)
+
+
+# ------------------------------------------------------------------------------ jmp's arithmetic
+
+
+@pytest.mark.parametrize("start", [2.0**15, 1000.0, 0.5])
+def test_grad_dtype_promote_unscales_as_jmp_does(start: float) -> None:
+    """migration.md, jmp rows: ``loss_scale.unscale(grads)`` and ``jmp.all_finite`` equal
+    ``scaler.unscale(grads)`` with ``grad_dtype="promote"`` bit for bit, dtypes included, for
+    float16, bfloat16 and float32 gradients and any scale (below 1 too); the default keeps
+    float16 (jmp's numbers differ then)."""
+    jmp = pytest.importorskip("jmp")
+    rng = np.random.default_rng(int(start))
+    grads = {
+        "h": jnp.asarray(np.append(np.clip(rng.normal(size=63) * 2e4, -6e4, 6e4), 6e4), jnp.float16),
+        "b": jnp.asarray(rng.normal(size=64) * 1e3, jnp.bfloat16),
+        "f": jnp.asarray(rng.normal(size=64) * 1e5, jnp.float32),
+    }
+    loss_scale = jmp.DynamicLossScale(jnp.float32(start), min_loss_scale=jnp.float32(0.25))
+    scaler = ampscale.create_scaler(backend="jax", preset="jmp", init_scale=start, min_scale=0.25, grad_dtype="promote")
+    theirs = jax.jit(lambda ls, g: ls.unscale(g))(loss_scale, grads)
+    ours, finite = jax.jit(lambda s, g: s.unscale(g))(scaler, grads)
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in theirs.items()}
+    assert _bits(ours) == _bits(theirs)
+    assert bool(finite)
+    assert bool(jmp.all_finite(theirs))
+    kept, kept_finite = jax.jit(lambda s, g: s.unscale(g))(scaler.replace(grad_dtype="keep"), grads)
+    assert kept["h"].dtype == jnp.float16
+    assert bool(kept_finite) == (start >= 1.0)  # below 1: 60000 * 2 overflows float16, not float32

@@ -302,6 +302,38 @@ def test_flax_accepts_its_own_zero_interval() -> None:
     assert scaler.update(True).update(True).get_scale() == 4.0  # grows on every step
 
 
+def test_grad_dtype_promote_returns_float32_copies_and_keep_is_the_default(fw: Framework) -> None:
+    """``grad_dtype="promote"`` (jmp's arithmetic): float16/bfloat16 gradients come back as new
+    float32 arrays, unscaled and checked in float32 (so with a scale below 1 a float16 value
+    whose unscaled value passes 65504 stays finite, as in jmp); ``keep`` (every preset's
+    default) keeps each dtype."""
+    narrow = [d for d in ("float16", "bfloat16") if d in fw.dtypes]
+    assert all(ampscale.create_scaler(preset=name).config.grad_dtype == "keep" for name in ampscale.PRESETS)
+    with pytest.raises(ValueError, match="grad_dtype must be one of"):
+        ampscale.create_scaler(grad_dtype="float32")
+    promote = ampscale.create_scaler(
+        backend=fw.backend, preset="jmp", init_scale=0.5, min_scale=0.25, grad_dtype="promote"
+    )
+    keep = promote.replace(grad_dtype="keep")
+    for dtype in narrow:
+        big = 60000.0 if dtype == "float16" else 1e38  # doubled: past float16's range, not bfloat16's
+        grads = {"g": fw.array([big, 3.0], dtype), "w": fw.array([2.0])}
+        expected = (fw.to_numpy(grads["g"]).astype(np.float32) * 2).tolist()
+        out, finite = promote.unscale(grads)
+        assert str(fw.to_numpy(out["g"]).dtype) == "float32"
+        assert bool(finite)
+        assert fw.to_numpy(out["g"]).tolist() == expected
+        assert fw.to_numpy(out["w"]).tolist() == [4.0]
+        assert fw.to_numpy(grads["g"]).tolist()[1] == 3.0  # the narrow input is not modified
+        kept, _ = keep.unscale({"g": fw.array([big, 3.0], dtype)})
+        assert str(fw.to_numpy(kept["g"]).dtype) == dtype
+    # tiny values are still counted in the gradients' own dtype
+    if "float16" in narrow:
+        subnormal = fw.array([1e-7, 1.0, 1.0, 1.0], "float16")
+        _, _, fraction = promote.unscale([subnormal], underflow=True)
+        assert float(fraction) == 0.25
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -128,6 +128,16 @@ class Backend(abc.ABC):
         value overflows makes the flag false.
         """
 
+    def promote(self, leaves: Sequence[Any]) -> list[Any]:
+        """Float32 copies of the leaves narrower than float32 (``grad_dtype="promote"``).
+
+        float16 and bfloat16 leaves become new float32 arrays (exact: every such value is a
+        float32 value); float32 and float64 leaves are returned as they are.
+        """
+        xp = self.namespace()
+        narrow = ("float16", "bfloat16")
+        return [xp.astype(leaf, xp.float32) if self.dtype_name(leaf) in narrow else leaf for leaf in leaves]
+
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         """A 0-d bool: whether every element of every leaf is finite."""
         return self.check_and_unscale(leaves, None)[1]
