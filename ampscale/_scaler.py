@@ -376,10 +376,22 @@ class Scaler:
 
     # -- host reads ---------------------------------------------------------------------------
     def get_scale(self) -> float:
-        """The current scale as a Python float: an explicit host read (a sync on GPUs)."""
+        """The current scale as a Python float: an explicit host read (a sync on GPUs).
+
+        Raises:
+            TypeError: under a trace (``jax.jit``, ``pmap``, ``scan``), where no value can be
+                read on the host: use ``scaler.state.scale`` there, a traced 0-d array.
+        """
         if self._state is None or self._backend is None:
             return self._config.initial_scale
-        return float(self._backend.scale_of(self._state))
+        scale = self._backend.scale_of(self._state)
+        if self._backend.is_tracing(scale):
+            raise TypeError(
+                "get_scale() reads the scale on the host, which is impossible under a trace "
+                "(jax.jit, pmap, scan, vmap); inside the trace use scaler.state.scale, a 0-d array "
+                "(log it by returning it from the traced function)"
+            )
+        return float(scale)
 
     def get_stats(self) -> dict[str, Any]:
         """The counters as plain Python values, for logging (a host read, like ``get_scale``).

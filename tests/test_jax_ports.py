@@ -1,4 +1,13 @@
-"""Scalers built inside one trace (jit, pmap, vmap, scan, shard_map) work in any other."""
+"""JAX programs ported to ampscale as docs/migration.md says: equal bit for bit.
+
+Also: scalers built inside one trace (jit, pmap, vmap, scan, shard_map) work in any other,
+and ``grad_dtype="promote"`` unscales as jmp does. flax's ImageNet example, shrunk (a
+``TrainState`` with BatchNorm statistics and a ``DynamicScale``; ``pmap`` with an
+``axis_name``, ``shard_map``, ``jit`` on one device and on sharded arrays, ``lax.scan``), runs
+once with flax's ``DynamicScale`` and once with ampscale's: with overflows injected on chosen
+steps and devices and others reached by the growing scale itself, the scale trajectories, the
+skipped steps and the final parameters, optimizer and BatchNorm state are equal bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +20,14 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import ampscale  # noqa: E402
+import ampscale.jax as ajax  # noqa: E402
 
 try:
     from jax import shard_map
 except ImportError:  # pragma: no cover - older jax
     from jax.experimental.shard_map import shard_map
 
-from jax.sharding import Mesh, PartitionSpec  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 P = PartitionSpec
 
@@ -137,3 +147,348 @@ def test_grad_dtype_promote_unscales_as_jmp_does(start: float) -> None:
     kept, kept_finite = jax.jit(lambda s, g: s.unscale(g))(scaler.replace(grad_dtype="keep"), grads)
     assert kept["h"].dtype == jnp.float16
     assert bool(kept_finite) == (start >= 1.0)  # below 1: 60000 * 2 overflows float16, not float32
+
+
+# ------------------------------------------------------------------------------ flax's ImageNet example
+
+STEPS = 200
+DEVICE_BATCH = 4
+
+
+def _images(seed: int, steps: int, batch: int):
+    """A fixed, learnable stream: 3x3 one-channel images, 3 classes."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, size=(steps, batch))
+    images = rng.normal(size=(steps, batch, 3, 3, 1)).astype(np.float32) + labels[..., None, None, None] * 0.5
+    return jnp.asarray(images), jnp.asarray(labels)
+
+
+def _poison(steps: int, seed: int = 7):
+    """Per step and device, a factor on the loss: 1, or 1e30 (float16 gradients overflow)."""
+    rng = np.random.default_rng(seed)
+    poison = np.ones((steps, 4), np.float32)
+    for step in rng.choice(np.arange(1, steps), size=steps // 12, replace=False):
+        poison[step, rng.integers(0, 4)] = 1e30  # one device only: the others must agree
+    return jnp.asarray(poison)
+
+
+def _flax_program(dynamic_scale_class, axis_name):
+    """flax's ImageNet train step, shrunk: written against ``dynamic_scale_class``, whichever it is.
+
+    The migration guide's flax rows: the class is the only change (``flax.training.
+    dynamic_scale.DynamicScale`` or ``ampscale.jax.DynamicScale``); ``value_and_grad`` with
+    ``has_aux`` and ``axis_name``, ``jnp.where(is_fin, new, old)`` and ``dynamic_scale.scale``
+    are used as flax's example uses them.
+    """
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    class TinyNet(nn.Module):  # dense layers and one BatchNorm keep the compile short
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Dense(8, use_bias=False, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+            x = nn.BatchNorm(
+                use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=jnp.float16, axis_name=axis_name
+            )(x)
+            return nn.Dense(3, dtype=jnp.float16)(nn.relu(x))
+
+    class TrainState(train_state.TrainState):
+        batch_stats: object
+        dynamic_scale: object
+
+    model = TinyNet()
+
+    def create_state(variables, **scale):
+        tx = optax.sgd(optax.cosine_decay_schedule(0.1, STEPS), momentum=0.9, nesterov=True)
+        state = TrainState.create(
+            apply_fn=model.apply,
+            params=variables["params"],
+            tx=tx,
+            batch_stats=variables["batch_stats"],
+            dynamic_scale=dynamic_scale_class(growth_interval=4, **scale),
+        )
+        # A typed step counter: flax's Python 0 would compile the step twice (weak, then not).
+        return state.replace(step=jnp.zeros((), jnp.int32))
+
+    def train_step(state, images, labels, poison):
+        def loss_fn(params):
+            logits, new_model_state = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats}, images, train=True, mutable=["batch_stats"]
+            )
+            one_hot = jax.nn.one_hot(labels, 3)
+            loss = jnp.mean(optax.softmax_cross_entropy(logits=logits, labels=one_hot))
+            weight_l2 = sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(params) if x.ndim > 1)
+            return (loss + 1e-4 * 0.5 * weight_l2) * poison, (new_model_state, logits)
+
+        dynamic_scale = state.dynamic_scale
+        grad_fn = dynamic_scale.value_and_grad(loss_fn, has_aux=True, axis_name=axis_name)
+        dynamic_scale, is_fin, aux, grads = grad_fn(state.params)
+        new_model_state, _logits = aux[1]
+        new_state = state.apply_gradients(grads=grads, batch_stats=new_model_state["batch_stats"])
+        new_state = new_state.replace(
+            opt_state=jax.tree_util.tree_map(
+                functools.partial(jnp.where, is_fin), new_state.opt_state, state.opt_state
+            ),
+            params=jax.tree_util.tree_map(functools.partial(jnp.where, is_fin), new_state.params, state.params),
+            dynamic_scale=dynamic_scale,
+        )
+        metrics = {"loss": aux[0], "scale": dynamic_scale.scale, "finite": is_fin}
+        if axis_name is not None:
+            metrics["loss"] = jax.lax.pmean(metrics["loss"], axis_name)
+        return new_state, metrics
+
+    return model, create_state, train_step
+
+
+@functools.cache
+def _flax_variables():
+    """The model's initial variables (the same for both programs: initialised once)."""
+    model, _, _ = _flax_program(None, None)
+    return jax.jit(functools.partial(model.init, train=False))(jax.random.PRNGKey(0), jnp.zeros((1, 3, 3, 1)))
+
+
+def _run_flax_program(dynamic_scale_class, form: str):
+    from flax import jax_utils
+
+    devices = _four_devices()
+    mesh = Mesh(np.array(devices), ("batch",))
+    axis_name = "batch" if form in ("pmap", "shard_map") else None
+    _, create_state, train_step = _flax_program(dynamic_scale_class, axis_name)
+    images, labels = _images(0, STEPS, 4 * DEVICE_BATCH)
+    poison = _poison(STEPS)
+    history = []
+    if form == "pmap":  # flax's example: a default DynamicScale, replicated
+        p_step = jax.pmap(train_step, axis_name="batch")
+        # replicated over an axis of p_step's name, as its outputs are: p_step compiles once
+        state = jax_utils.replicate(create_state(_flax_variables()), axis_name="batch")
+        shape = (STEPS, 4, DEVICE_BATCH)
+        images, labels = images.reshape(*shape, 3, 3, 1), labels.reshape(shape)
+        for i in range(STEPS):
+            state, metrics = p_step(state, images[i], labels[i], poison[i])
+            history.append(metrics)
+        return jax.tree_util.tree_map(lambda a: np.asarray(a)[0], state), history
+    # A float32 scale from the start: a Python number would compile the step twice (its weak
+    # type changes after the first step, in flax as here; test_dynamic_scale_gives_flax_results_call_by_call
+    # covers that first step).
+    state = create_state(_flax_variables(), scale=jnp.float32(2.0**16))
+    if form in ("shard_map", "sharded_jit"):  # the state replicated on the mesh, as the outputs are
+        state = jax.device_put(state, NamedSharding(mesh, P()))
+    if form == "shard_map":
+        step = jax.jit(
+            shard_map(
+                lambda s, x, y, p: train_step(s, x, y, p[0]),
+                mesh=mesh,
+                in_specs=(P(), P("batch"), P("batch"), P("batch")),
+                out_specs=(P(), P()),
+            )
+        )
+        for i in range(STEPS):
+            state, metrics = step(state, images[i], labels[i], poison[i])
+            history.append(metrics)
+        return state, history
+    # one poison per step: the product of the devices' factors
+    poison = jnp.asarray(np.where((np.asarray(poison) != 1).any(axis=1), np.float32(1e30), np.float32(1)))
+    if form == "scan":
+        run = jax.jit(lambda s, xs: jax.lax.scan(lambda s, x: train_step(s, *x), s, xs))
+        state, metrics = run(state, (images, labels, poison))
+        return state, [{name: values[i] for name, values in metrics.items()} for i in range(STEPS)]
+    step = jax.jit(train_step)
+    if form == "sharded_jit":  # global arrays: XLA inserts the collectives, no axis_name
+        images = jax.device_put(images, NamedSharding(mesh, P(None, "batch")))
+        labels = jax.device_put(labels, NamedSharding(mesh, P(None, "batch")))
+    for i in range(STEPS):
+        state, metrics = step(state, images[i], labels[i], poison[i])
+        history.append(metrics)
+    return state, history
+
+
+@pytest.mark.parametrize("form", ["pmap", "shard_map", "jit", "sharded_jit", "scan"])
+def test_flax_imagenet_style_program_ports_bit_for_bit(form: str) -> None:
+    """migration.md, flax rows: ``DynamicScale(...)``, ``ds.value_and_grad(fn, has_aux=True,
+    axis_name=...)``, ``jnp.where(is_fin, new, old)``, ``dynamic_scale.scale``."""
+    from flax.training import dynamic_scale as flax_dynamic_scale
+
+    theirs, their_history = _run_flax_program(flax_dynamic_scale.DynamicScale, form)
+    ours, our_history = _run_flax_program(ajax.DynamicScale, form)
+    for name in ("scale", "finite", "loss"):
+        their_values = np.stack([np.asarray(m[name]) for m in their_history])
+        our_values = np.stack([np.asarray(m[name]) for m in our_history])
+        assert their_values.tobytes() == our_values.tobytes(), name
+    assert _bits((theirs.params, theirs.batch_stats, theirs.opt_state)) == _bits(
+        (ours.params, ours.batch_stats, ours.opt_state)
+    )
+    assert np.asarray(theirs.dynamic_scale.scale).tobytes() == np.asarray(ours.dynamic_scale.scale).tobytes()
+    # the run is worth comparing: injected and natural overflows, growths, learning
+    finite = np.stack([np.asarray(m["finite"]) for m in our_history]).reshape(STEPS, -1)
+    assert (finite == finite[:, :1]).all()  # every device agreed
+    skipped = int((~finite[:, 0]).sum())
+    assert STEPS // 12 < skipped < STEPS // 2
+    scales = np.stack([np.asarray(m["scale"]) for m in our_history]).reshape(STEPS, -1)[:, 0]
+    assert (np.diff(scales) > 0).sum() > 5
+    stats = ours.dynamic_scale.scaler.get_stats() if form != "pmap" else None
+    if stats is not None:
+        assert stats["skipped_steps"] == skipped
+
+
+def _flax_calls(dynamic_scale_class, settings, scale, jit: bool, has_aux: bool):
+    """A few ``value_and_grad`` calls through one DynamicScale; every output, bit for bit."""
+
+    def loss_fn(w, b, x):  # a float16 loss: the first step's weak typing shows in its dtype
+        loss = jnp.sum(jnp.tanh(w.astype(jnp.float16) * x.astype(jnp.float16)) * b.astype(jnp.float16))
+        return (loss, {"x": x}) if has_aux else loss
+
+    ds = dynamic_scale_class(scale=scale, **settings)
+
+    def call(ds, w, b, x):
+        return ds.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)(w, b, x)
+
+    call = jax.jit(call) if jit else call
+    w, b = jnp.linspace(-1.0, 1.0, 3), jnp.float32(0.5)
+    seen = []
+    for x in (1.0, 2.0, np.inf, 1.0, 3.0, 1.0, np.nan, 1.0, 1.0, 1.0):
+        ds, finite, aux, grads = call(ds, w, b, jnp.float32(x))
+        seen.append([np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((finite, aux, grads, ds.scale))])
+        seen.append([np.asarray(ds.fin_steps)])
+    return [(a.dtype, a.tobytes()) for step in seen for a in step]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dynamic_scale_gives_flax_results_call_by_call(jit: bool) -> None:
+    """migration.md, flax rows: every output of ``value_and_grad`` (flag, loss and aux, float32
+    gradients, the updated scale and ``fin_steps``), dtypes included, for flax's settings, a
+    Python-number scale (weakly typed on the first step) or a float32 one, with and without
+    ``has_aux``, eagerly and under ``jit``."""
+    from flax.training import dynamic_scale as flax_dynamic_scale
+
+    cases = [
+        ({"growth_interval": 1}, 2.0**10, True),
+        ({"growth_interval": 0, "growth_factor": 3.0, "backoff_factor": 0.25, "minimum_scale": None}, 3.0, False),
+        ({"growth_interval": 2, "minimum_scale": 0.5}, jnp.float32(1.0), True),
+    ]
+    if not jit:  # op by op is slow: one case, flax's defaults (float16 * 65536 overflows at once)
+        cases = [({}, 65536.0, True)]
+    for settings, scale, has_aux in cases:
+        theirs = _flax_calls(flax_dynamic_scale.DynamicScale, settings, scale, jit, has_aux)
+        ours = _flax_calls(ajax.DynamicScale, settings, scale, jit, has_aux)
+        assert theirs == ours, (settings, scale)
+
+
+def _per_device_loss(params, x):
+    return jnp.mean(jnp.square(jnp.tanh(x @ params["w"]) - 1.0))
+
+
+@pytest.mark.parametrize("form", ["pmap", "shard_map"])
+def test_value_and_grad_with_axis_name_averages_the_gradients_as_flax(form: str) -> None:
+    """``ampscale.jax.value_and_grad(fn, axis_name=...)`` means what flax's ``axis_name`` means:
+    the gradients are averaged over the axis (equal to flax's, bit for bit, for float32
+    gradients, and for float16 ones with ``grad_dtype="promote"``), and a device's overflow
+    makes every device's step non-finite."""
+    from flax.training import dynamic_scale as flax_dynamic_scale
+
+    mesh = Mesh(np.array(_four_devices()), ("i",))
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(4, 8, 3)), jnp.float32)
+    for dtype, settings in ((jnp.float32, {}), (jnp.float16, {"grad_dtype": "promote"})):
+        params = {"w": jnp.asarray(rng.normal(size=(3, 2)), dtype)}
+        scaler = ampscale.create_scaler(backend="jax", preset="flax", init_scale=2.0**10, **settings)
+
+        def ours(scaler, params, x):
+            out = ajax.value_and_grad(_per_device_loss, axis_name="i")(scaler, params, x)
+            return out.grads, out.finite, scaler.update(out.finite).state.scale
+
+        def theirs(params, x):
+            ds = flax_dynamic_scale.DynamicScale(scale=jnp.float32(2.0**10))
+            ds, finite, _, grads = ds.value_and_grad(_per_device_loss, axis_name="i")(params, x)
+            return grads, finite, ds.scale
+
+        for poisoned in (x, x.at[2, 0, 0].set(jnp.inf)):
+            if form == "pmap":
+                our = jax.pmap(ours, axis_name="i", in_axes=(None, None, 0))(scaler, params, poisoned)
+                their = jax.pmap(theirs, axis_name="i", in_axes=(None, 0))(params, poisoned)
+            else:
+                first = functools.partial(jax.tree_util.tree_map, lambda a: a[0])
+                our = jax.jit(
+                    shard_map(lambda s, p, x: ours(s, p, x[0]), mesh=mesh, in_specs=(P(), P(), P("i")), out_specs=P())
+                )(scaler, params, poisoned)
+                their = jax.jit(
+                    shard_map(lambda p, x: theirs(p, x[0]), mesh=mesh, in_specs=(P(), P("i")), out_specs=P())
+                )(params, poisoned)
+                our, their = first(jax.tree_util.tree_map(lambda a: a[None], our)), their
+            assert _bits(our) == _bits(their), (dtype, form)
+            assert np.asarray(our[1]).all() == (poisoned is x)
+
+
+def test_dynamic_scale_is_flax_shaped() -> None:
+    """The rest of flax's surface: fields, ``replace``, pytree use (truthy, replicated, keys),
+    construction inside a trace, and what ampscale adds (``scaler``, ``check_loss``, errors that
+    name flax's arguments)."""
+    from flax import jax_utils
+
+    ds = ajax.DynamicScale(growth_interval=3, scale=1024.0, minimum_scale=None)
+    assert ds  # flax's example tests ``if dynamic_scale:``
+    assert (ds.growth_factor, ds.backoff_factor, ds.growth_interval, ds.minimum_scale) == (2.0, 0.5, 3, None)
+    assert ds.scale == 1024.0
+    assert int(ds.fin_steps) == 0
+    assert ds.check_loss
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ds)[0]]
+    assert paths == [".scale", ".scaler.scales", ".scaler.counters"]
+    moved = ds.replace(scale=2.0**20, fin_steps=3, growth_factor=4.0)
+    assert (float(moved.scale), int(moved.fin_steps)) == (2.0**20, 3)
+    assert (moved.growth_factor, moved.backoff_factor) == (4.0, 0.5)
+    assert moved.scaler.get_scale() == 2.0**20
+    replicated = jax_utils.replicate(moved)
+    scales = jax.pmap(lambda d: d.value_and_grad(lambda w: w * w)(jnp.float32(1.0)).dynamic_scale.scale)(replicated)
+    assert np.asarray(scales).tolist() == [2.0**22] * 4  # fin_steps == growth_interval: it grows
+    built = jax.jit(lambda s: ajax.DynamicScale(scale=s, fin_steps=jnp.int32(3)))(jnp.float32(8.0))
+    assert float(built.scale) == 8.0
+    assert int(built.fin_steps) == 3
+    after = built.value_and_grad(lambda w: w * w)(jnp.float32(1.0)).dynamic_scale
+    assert after.scaler.outcome.to_dict()["steps"] == 1
+    for bad, pattern in (
+        ({"scale": 0.0}, "scale must be"),
+        ({"scale": float("inf")}, "scale must be"),
+        ({"minimum_scale": -1.0}, "minimum_scale must be"),
+        ({"growth_factor": 1.0}, "growth_factor must be"),
+        ({"backoff_factor": 2.0}, "backoff_factor must be"),
+        ({"growth_interval": -1}, "growth_interval must be"),
+        ({"fin_steps": 1.5}, "fin_steps must be"),
+    ):
+        with pytest.raises(ValueError, match=pattern):
+            ajax.DynamicScale(**bad)
+    with pytest.raises(TypeError, match="minimum_scale="):
+        ajax.DynamicScale(min_scale=1.0)
+    with pytest.raises(TypeError, match="unknown field"):
+        ds.replace(scales=1.0)
+    with pytest.raises(AttributeError, match="immutable"):
+        ds.scale = 2.0
+
+
+def test_dynamic_scale_checks_the_scaled_loss_unless_told_not_to() -> None:
+    """The one difference from flax, and its switch: a scaled loss that overflows while every
+    gradient stays finite (here the loss carries a huge constant) skips the step."""
+    from flax.training import dynamic_scale as flax_dynamic_scale
+
+    def loss_fn(w):
+        return jnp.sum(w * w) + 1e36  # * 65536 overflows; the gradient does not see the constant
+
+    w = jnp.ones(2)
+    flax_out = flax_dynamic_scale.DynamicScale().value_and_grad(loss_fn)(w)
+    ours = ajax.DynamicScale().value_and_grad(loss_fn)(w)
+    assert bool(flax_out.finite)
+    assert not bool(ours.finite)
+    assert ours.dynamic_scale.scaler.outcome.to_dict()["reason"] == "loss"
+    as_flax = ajax.DynamicScale(check_loss=False).value_and_grad(loss_fn)(w)
+    assert _bits(as_flax[1:]) == _bits(flax_out[1:])
+    assert float(as_flax.dynamic_scale.scale) == float(flax_out.dynamic_scale.scale)
+
+
+def test_the_scale_is_read_inside_a_trace_and_get_scale_says_how() -> None:
+    """migration.md: flax's ``dynamic_scale.scale`` and jmp's ``loss_scale.loss_scale`` are
+    ``scaler.state.scale`` under ``jit``/``pmap``; ``get_scale()`` there names it."""
+    scaler = ampscale.create_scaler(backend="jax", init_scale=8.0)
+    assert float(jax.jit(lambda s: s.update(True).state.scale)(scaler)) == 8.0
+    replicated = jax.tree_util.tree_map(lambda a: jnp.stack([a] * 4), scaler)
+    assert np.asarray(jax.pmap(lambda s: s.state.scale)(replicated)).tolist() == [8.0] * 4
+    with pytest.raises(TypeError, match=r"scaler\.state\.scale"):
+        jax.jit(lambda s: s.get_scale())(scaler)
