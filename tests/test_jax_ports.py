@@ -1,12 +1,16 @@
 """JAX programs ported to ampscale as docs/migration.md says: equal bit for bit.
 
-Also: scalers built inside one trace (jit, pmap, vmap, scan, shard_map) work in any other,
-and ``grad_dtype="promote"`` unscales as jmp does. flax's ImageNet example, shrunk (a
-``TrainState`` with BatchNorm statistics and a ``DynamicScale``; ``pmap`` with an
-``axis_name``, ``shard_map``, ``jit`` on one device and on sharded arrays, ``lax.scan``), runs
-once with flax's ``DynamicScale`` and once with ampscale's: with overflows injected on chosen
-steps and devices and others reached by the growing scale itself, the scale trajectories, the
-skipped steps and the final parameters, optimizer and BatchNorm state are equal bit for bit.
+Each program is written once against the system it comes from and once against ampscale,
+following the guide's rows (each test's docstring names the rows it backs). The programs are
+small but shaped like the real ones: flax's ImageNet example (a ``TrainState`` with BatchNorm
+statistics and a ``DynamicScale``; ``pmap`` with an ``axis_name``, ``shard_map``, ``jit`` on
+one device and on sharded arrays, ``lax.scan``), Haiku's ImageNet example (state built by
+``jax.pmap(initial_state)``, float16 gradients unscaled by jmp and averaged with ``pmean``)
+and an optax loop (``jit`` and ``lax.scan``). Over 200 steps, with overflows injected on
+chosen steps and devices and others reached by the growing scale itself, the scale
+trajectories, the skipped steps and the final parameters (and optimizer and BatchNorm state)
+are equal bit for bit. Also here: scalers built inside one trace (jit, pmap, vmap, scan,
+shard_map) work in any other, and ``grad_dtype="promote"`` unscales as jmp does.
 """
 
 from __future__ import annotations
@@ -147,6 +151,29 @@ def test_grad_dtype_promote_unscales_as_jmp_does(start: float) -> None:
     kept, kept_finite = jax.jit(lambda s, g: s.unscale(g))(scaler.replace(grad_dtype="keep"), grads)
     assert kept["h"].dtype == jnp.float16
     assert bool(kept_finite) == (start >= 1.0)  # below 1: 60000 * 2 overflows float16, not float32
+
+
+def test_jmp_static_and_no_op_loss_scales_map_to_static_and_guard_modes() -> None:
+    """migration.md, jmp rows: ``jmp.StaticLossScale(s)`` is ``mode="static"`` (the same scale
+    and unscale bit for bit with ``grad_dtype="promote"``; the scale never moves) and
+    ``jmp.NoOpLossScale()`` is ``mode="guard"`` (no scaling at all; only the flag and the
+    counters)."""
+    jmp = pytest.importorskip("jmp")
+    loss = jnp.float16(3.0)
+    grads = {"h": jnp.asarray([1.5, -2.0e4], jnp.float16), "f": jnp.asarray([3.0], jnp.float32)}
+    static = jmp.StaticLossScale(jnp.float32(2.0**7))
+    scaler = ampscale.create_scaler(backend="jax", preset="jmp", mode="static", init_scale=2.0**7, grad_dtype="promote")
+    assert _bits([scaler.scale(loss)]) == _bits([static.scale(loss)])
+    assert _bits(scaler.unscale(grads)[0]) == _bits(static.unscale(grads))
+    assert scaler.update(False).update(True).get_scale() == float(static.adjust(jnp.bool_(False)).loss_scale)
+    no_op = jmp.NoOpLossScale()
+    guard = ampscale.create_scaler(backend="jax", mode="guard")
+    assert guard.scale(loss) is loss is no_op.scale(loss)
+    unscaled, finite = guard.unscale(grads)
+    assert _bits(unscaled) == _bits(no_op.unscale(grads))
+    assert bool(finite)
+    assert guard.get_scale() == no_op.loss_scale == 1
+    assert guard.update(False).get_stats()["skipped_steps"] == 1
 
 
 # ------------------------------------------------------------------------------ flax's ImageNet example
@@ -492,3 +519,306 @@ def test_the_scale_is_read_inside_a_trace_and_get_scale_says_how() -> None:
     assert np.asarray(jax.pmap(lambda s: s.state.scale)(replicated)).tolist() == [8.0] * 4
     with pytest.raises(TypeError, match=r"scaler\.state\.scale"):
         jax.jit(lambda s: s.get_scale())(scaler)
+
+
+# ------------------------------------------------------------------------------ Haiku's ImageNet example, with jmp
+
+
+class _Jmp:
+    """The jmp side of the guide's jmp rows."""
+
+    @staticmethod
+    def initial_loss_scale():
+        import jmp
+
+        return jmp.DynamicLossScale(jnp.float32(2.0**15), period=4, factor=2)
+
+    @staticmethod
+    def scale(loss_scale, loss):
+        return loss_scale.scale(loss)
+
+    @staticmethod
+    def unscale(loss_scale, grads):
+        return loss_scale.unscale(grads)
+
+    @staticmethod
+    def all_finite(grads):
+        import jmp
+
+        return jmp.all_finite(grads)
+
+    @staticmethod
+    def adjust(loss_scale, finite):
+        return loss_scale.adjust(finite)
+
+    @staticmethod
+    def select_tree(finite, new, old):
+        import jmp
+
+        return jmp.select_tree(finite, new, old)
+
+    @staticmethod
+    def current(loss_scale):
+        return loss_scale.loss_scale
+
+
+class _Ampscale:
+    """The ampscale side of the same rows, as docs/migration.md writes them."""
+
+    @staticmethod
+    def initial_loss_scale():
+        return ampscale.create_scaler(
+            backend="jax", preset="jmp", init_scale=2.0**15, growth_interval=4, growth_factor=2, grad_dtype="promote"
+        )
+
+    @staticmethod
+    def scale(scaler, loss):
+        return scaler.scale(loss)
+
+    @staticmethod
+    def unscale(scaler, grads):
+        grads, _finite = scaler.unscale(grads)
+        return grads
+
+    @staticmethod
+    def all_finite(grads):
+        return ampscale.all_finite(grads)
+
+    @staticmethod
+    def adjust(scaler, finite):
+        return scaler.update(finite)
+
+    @staticmethod
+    def select_tree(finite, new, old):
+        return jax.tree_util.tree_map(functools.partial(jnp.where, finite), new, old)
+
+    @staticmethod
+    def current(scaler):
+        return scaler.state.scale
+
+
+def _haiku_program(api, axis_name: str):
+    """Haiku's ImageNet train step, shrunk, in plain JAX: float32 parameters, float16 compute
+    (a jmp policy), a cross-replica batch norm, float16 gradients unscaled then averaged."""
+    import jmp
+    import optax
+
+    policy = jmp.get_policy("params=float32,compute=float16,output=float32")
+    optimizer = optax.chain(optax.trace(decay=0.9, nesterov=True), optax.scale(-0.05))
+
+    def forward(params, state, images, labels):
+        params, images = policy.cast_to_compute((params, images))
+        h = images.reshape(images.shape[0], -1) @ params["w1"]
+        mean = jax.lax.pmean(jnp.mean(h.astype(jnp.float32), axis=0), axis_name)
+        var = jax.lax.pmean(jnp.mean(jnp.square(h.astype(jnp.float32) - mean), axis=0), axis_name)
+        h = ((h - mean.astype(h.dtype)) * jax.lax.rsqrt(var + 1e-5).astype(h.dtype)) * params["gamma"]
+        logits = policy.cast_to_output(jax.nn.relu(h) @ params["w2"] + params["b2"])
+        loss = jnp.mean(optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, 3)))
+        new_state = {"mean": 0.9 * state["mean"] + 0.1 * mean, "var": 0.9 * state["var"] + 0.1 * var}
+        return loss, new_state
+
+    def initial_state(rng):  # run under jax.pmap: Haiku's idiom
+        k1, k2 = jax.random.split(rng)
+        params = {
+            "w1": jax.random.normal(k1, (9, 8)) / 3,
+            "gamma": jnp.ones(8),
+            "w2": jax.random.normal(k2, (8, 3)) / 3,
+            "b2": jnp.zeros(3),
+        }
+        state = {"mean": jnp.zeros(8), "var": jnp.ones(8)}
+        return params, state, optimizer.init(params), api.initial_loss_scale()
+
+    def train_step(train_state, images, labels, poison):
+        params, state, opt_state, loss_scale = train_state
+
+        def loss_fn(params):
+            loss, new_state = forward(params, state, images, labels)
+            return api.scale(loss_scale, loss * poison), (loss, new_state)
+
+        grads, (loss, new_state) = jax.grad(loss_fn, has_aux=True)(params)
+        grads = policy.cast_to_compute(grads)  # all-reduce in the compute dtype, as Haiku's does
+        grads = api.unscale(loss_scale, grads)
+        grads = jax.lax.pmean(grads, axis_name)
+        grads = policy.cast_to_param(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        grads_finite = api.all_finite(grads)
+        loss_scale = api.adjust(loss_scale, grads_finite)
+        new_params, new_state, new_opt_state = api.select_tree(
+            grads_finite, (new_params, new_state, new_opt_state), (params, state, opt_state)
+        )
+        metrics = {"loss": jax.lax.pmean(loss, axis_name), "scale": api.current(loss_scale), "finite": grads_finite}
+        return (new_params, new_state, new_opt_state, loss_scale), metrics
+
+    return initial_state, train_step
+
+
+def _run_haiku_program(api):
+    _four_devices()
+    initial_state, train_step = _haiku_program(api, "i")
+    images, labels = _images(1, STEPS, 4 * DEVICE_BATCH)
+    poison = _poison(STEPS, seed=8)
+    history = []
+    rngs = jnp.stack([jax.random.PRNGKey(1)] * 4)
+    train_state = jax.pmap(initial_state, axis_name="i")(rngs)  # Haiku's idiom: built inside pmap
+    step = jax.pmap(train_step, axis_name="i", donate_argnums=0)
+    shape = (STEPS, 4, DEVICE_BATCH)
+    images, labels = images.reshape(*shape, 3, 3, 1), labels.reshape(shape)
+    for i in range(STEPS):
+        train_state, metrics = step(train_state, images[i], labels[i], poison[i])
+        history.append(metrics)
+    return train_state, history
+
+
+def test_haiku_jmp_style_program_ports_bit_for_bit() -> None:
+    """migration.md, jmp rows: ``DynamicLossScale(jnp.float32(...), period=, factor=)`` with
+    ``grad_dtype="promote"``, ``scale``, ``unscale``, ``jmp.all_finite``, ``adjust``,
+    ``jmp.select_tree``, ``loss_scale.loss_scale``; the state built by ``jax.pmap(initial_state)``."""
+    pytest.importorskip("jmp")
+    theirs, their_history = _run_haiku_program(_Jmp)
+    ours, our_history = _run_haiku_program(_Ampscale)
+    for name in ("scale", "finite", "loss"):
+        their_values = np.stack([np.asarray(m[name]) for m in their_history])
+        our_values = np.stack([np.asarray(m[name]) for m in our_history])
+        assert their_values.tobytes() == our_values.tobytes(), name
+    assert _bits(theirs[:3]) == _bits(ours[:3])
+    finite = np.stack([np.asarray(m["finite"]) for m in our_history]).reshape(STEPS, -1)
+    assert (finite == finite[:, :1]).all()
+    assert STEPS // 12 < int((~finite[:, 0]).sum()) < STEPS // 2
+    scales = np.stack([np.asarray(m["scale"]) for m in our_history]).reshape(STEPS, -1)[:, 0]
+    assert (np.diff(scales) > 0).sum() > 5
+
+
+# ------------------------------------------------------------------------------ an optax loop
+
+
+def _mlp_loss(params, x, y):
+    h = jax.nn.tanh(x.astype(jnp.float16) @ params["w1"].astype(jnp.float16))
+    out = (h @ params["w2"].astype(jnp.float16)).astype(jnp.float32)
+    return jnp.mean(jnp.square(out - y))
+
+
+def _optax_data(steps: int):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(steps, 16, 4)).astype(np.float32)
+    y = np.sin(x @ rng.normal(size=(4, 2))).astype(np.float32)
+    poison = np.where(rng.random(steps) < 0.08, np.float32(1e30), np.float32(1.0))
+    shapes = {"w1": (4, 8), "w2": (8, 2)}
+    params = {name: jnp.asarray(rng.normal(size=shape), jnp.float32) for name, shape in shapes.items()}
+    return params, (jnp.asarray(x), jnp.asarray(y), jnp.asarray(poison))
+
+
+def _optimizer():
+    import optax
+
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=1e-4))
+
+
+def _loop(step, carry, data, form: str):
+    if form == "scan":
+        return jax.jit(lambda c, d: jax.lax.scan(step, c, d))(carry, data)
+    step = jax.jit(step)
+    outs = []
+    for batch in zip(*(np.asarray(a) for a in data), strict=True):  # NumPy: no unstack to compile
+        carry, out = step(carry, batch)
+        outs.append(out)
+    return carry, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outs)
+
+
+@pytest.mark.parametrize("form", ["jit", "scan"])
+def test_optax_loop_with_jmp_ports_to_loss_scaled_bit_for_bit(form: str) -> None:
+    """migration.md, optax rows: jmp scaling around an optax optimizer that skips with
+    ``optax.apply_if_finite`` becomes ``ampscale.jax.loss_scaled(optimizer, scaler)``, and
+    ``scaler_of(opt_state)`` scales the loss: equal bit for bit (both run the optimizer in a
+    ``lax.cond`` branch)."""
+    jmp = pytest.importorskip("jmp")
+    import optax
+
+    params, data = _optax_data(STEPS)
+    skipping = optax.apply_if_finite(_optimizer(), max_consecutive_errors=STEPS)
+
+    def jmp_step(carry, batch):
+        params, opt_state, loss_scale = carry
+        x, y, poison = batch
+        grads = jax.grad(lambda p: loss_scale.scale(_mlp_loss(p, x, y) * poison))(params)
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, opt_state = skipping.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        loss_scale = loss_scale.adjust(finite)
+        return (params, opt_state, loss_scale), (loss_scale.loss_scale, finite)
+
+    opt = ajax.loss_scaled(
+        _optimizer(), ampscale.create_scaler(backend="jax", preset="jmp", init_scale=2.0**15, growth_interval=4)
+    )
+
+    def ampscale_step(carry, batch):
+        params, opt_state = carry
+        x, y, poison = batch
+        scaler = ajax.scaler_of(opt_state)
+        grads = jax.grad(lambda p: scaler.scale(_mlp_loss(p, x, y) * poison))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        scaler = ajax.scaler_of(opt_state)
+        return (params, opt_state), (scaler.state.scale, scaler.outcome.applied)
+
+    initial_scale = jmp.DynamicLossScale(jnp.float32(2.0**15), period=4)
+    (our_params, our_opt_state), (our_scales, our_applied) = _loop(
+        ampscale_step, (params, opt.init(params)), data, form
+    )
+    (their_params, their_opt_state, _), (their_scales, their_finite) = _loop(
+        jmp_step, (params, skipping.init(params), initial_scale), data, form
+    )
+    assert np.asarray(their_scales).tobytes() == np.asarray(our_scales).tobytes()
+    assert np.asarray(their_finite).tolist() == np.asarray(our_applied).tolist()
+    assert _bits(their_params) == _bits(our_params)
+    assert _bits(their_opt_state.inner_state) == _bits(our_opt_state.inner_state)  # Adam's count too
+    skipped = int((~np.asarray(our_applied)).sum())
+    assert skipped == ajax.scaler_of(our_opt_state).get_stats()["skipped_steps"] == int(their_opt_state.total_notfinite)
+    assert skipped > STEPS // 20
+    assert (np.diff(np.asarray(our_scales)) > 0).sum() > 5
+
+
+def test_optax_apply_if_finite_ports_to_a_guard_scaler() -> None:
+    """migration.md, ``optax.apply_if_finite(opt, max_consecutive_errors)`` row: a ``guard``
+    scaler (no scaling, bfloat16 style) in ``loss_scaled`` skips the same steps with the same
+    results, except where the row says: optax applies an update after more than
+    ``max_consecutive_errors`` in a row, and its skipped update of ``+0.0`` turns a ``-0.0``
+    parameter into ``+0.0``."""
+    import optax
+
+    params, (x, y, poison) = _optax_data(60)
+    poison = poison.at[10].set(jnp.nan)
+
+    def run(opt, count_skipped):
+        @jax.jit
+        def step(params, opt_state, x, y, poison):
+            grads = jax.grad(lambda p: _mlp_loss(p, x, y) * poison)(params)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        p, state = params, opt.init(params)
+        for i in range(x.shape[0]):
+            p, state = step(p, state, x[i], y[i], poison[i])
+        return p, state, count_skipped(state)
+
+    theirs = run(optax.apply_if_finite(_optimizer(), max_consecutive_errors=5), lambda s: int(s.total_notfinite))
+    guard = ampscale.create_scaler(backend="jax", mode="guard")
+    ours = run(ajax.loss_scaled(_optimizer(), guard), lambda s: ajax.scaler_of(s).get_stats()["skipped_steps"])
+    assert _bits(theirs[0]) == _bits(ours[0])
+    assert _bits(theirs[1].inner_state) == _bits(ours[1].inner_state)
+    assert theirs[2] == ours[2] == int((np.asarray(poison) != 1.0).sum()) > 2
+    # the differences the row names
+    zero = {"w": jnp.array([-0.0, 1.0])}
+    bad = {"w": jnp.array([jnp.inf, 1.0])}
+    optax_opt = optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=1)
+    state = optax_opt.init(zero)
+    updates, state = optax_opt.update(bad, state, zero)
+    assert np.signbit(optax.apply_updates(zero, updates)["w"][0]) == np.False_  # -0.0 became +0.0
+    updates, state = optax_opt.update(bad, state, zero)
+    assert np.isinf(np.asarray(optax.apply_updates(zero, updates)["w"][0]))  # the 2nd in a row is applied
+    ours_opt = ajax.loss_scaled(optax.sgd(1.0), guard)
+    state = ours_opt.init(zero)
+    for _ in range(3):
+        updates, state = ours_opt.update(bad, state, zero)
+        assert _bits(optax.apply_updates(zero, updates)) == _bits(zero)  # never applied; -0.0 kept
