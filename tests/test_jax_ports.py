@@ -822,3 +822,28 @@ def test_optax_apply_if_finite_ports_to_a_guard_scaler() -> None:
     for _ in range(3):
         updates, state = ours_opt.update(bad, state, zero)
         assert _bits(optax.apply_updates(zero, updates)) == _bits(zero)  # never applied; -0.0 kept
+
+
+def test_loss_scaled_in_a_flax_train_state() -> None:
+    """migration.md, optax section: ``loss_scaled`` as a flax ``TrainState``'s ``tx`` needs no
+    other field (the scaler lives in ``opt_state``); ``apply_gradients`` on an overflowing
+    step leaves the parameters and the optimizer state bitwise unchanged."""
+    import optax
+    from flax.training import train_state
+
+    params = {"w": jnp.array([1.0, -0.0, 2.0])}
+    tx = ajax.loss_scaled(optax.adam(0.1), ampscale.create_scaler(backend="jax", preset="flax", init_scale=2.0**10))
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    @jax.jit
+    def train_step(state, poison):
+        scaler = ajax.scaler_of(state.opt_state)
+        grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"] ** 2) * poison))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    state = train_step(state, jnp.float32(1.0))
+    skipped = train_step(state, jnp.float32(jnp.inf))
+    assert _bits((skipped.params, skipped.opt_state.inner_state)) == _bits((state.params, state.opt_state.inner_state))
+    assert ajax.scaler_of(skipped.opt_state).get_stats()["skipped_steps"] == 1
+    assert ajax.scaler_of(skipped.opt_state).get_scale() == 2.0**9
+    assert int(skipped.step) == 2  # TrainState counts the call, as flax's example does on a skip
