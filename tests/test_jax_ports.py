@@ -16,6 +16,7 @@ shard_map) work in any other, and ``grad_dtype="promote"`` unscales as jmp does.
 from __future__ import annotations
 
 import functools
+import types
 
 import numpy as np
 import pytest
@@ -524,77 +525,34 @@ def test_the_scale_is_read_inside_a_trace_and_get_scale_says_how() -> None:
 # ------------------------------------------------------------------------------ Haiku's ImageNet example, with jmp
 
 
-class _Jmp:
-    """The jmp side of the guide's jmp rows."""
+def _jmp_rows():
+    """The jmp side of the guide's jmp rows, one call per row."""
+    import jmp
 
-    @staticmethod
-    def initial_loss_scale():
-        import jmp
-
-        return jmp.DynamicLossScale(jnp.float32(2.0**15), period=4, factor=2)
-
-    @staticmethod
-    def scale(loss_scale, loss):
-        return loss_scale.scale(loss)
-
-    @staticmethod
-    def unscale(loss_scale, grads):
-        return loss_scale.unscale(grads)
-
-    @staticmethod
-    def all_finite(grads):
-        import jmp
-
-        return jmp.all_finite(grads)
-
-    @staticmethod
-    def adjust(loss_scale, finite):
-        return loss_scale.adjust(finite)
-
-    @staticmethod
-    def select_tree(finite, new, old):
-        import jmp
-
-        return jmp.select_tree(finite, new, old)
-
-    @staticmethod
-    def current(loss_scale):
-        return loss_scale.loss_scale
+    return types.SimpleNamespace(
+        initial_loss_scale=lambda: jmp.DynamicLossScale(jnp.float32(2.0**15), period=4, factor=2),
+        scale=lambda loss_scale, loss: loss_scale.scale(loss),
+        unscale=lambda loss_scale, grads: loss_scale.unscale(grads),
+        all_finite=jmp.all_finite,
+        adjust=lambda loss_scale, finite: loss_scale.adjust(finite),
+        select_tree=jmp.select_tree,
+        current=lambda loss_scale: loss_scale.loss_scale,
+    )
 
 
-class _Ampscale:
+def _ampscale_rows():
     """The ampscale side of the same rows, as docs/migration.md writes them."""
-
-    @staticmethod
-    def initial_loss_scale():
-        return ampscale.create_scaler(
+    return types.SimpleNamespace(
+        initial_loss_scale=lambda: ampscale.create_scaler(
             backend="jax", preset="jmp", init_scale=2.0**15, growth_interval=4, growth_factor=2, grad_dtype="promote"
-        )
-
-    @staticmethod
-    def scale(scaler, loss):
-        return scaler.scale(loss)
-
-    @staticmethod
-    def unscale(scaler, grads):
-        grads, _finite = scaler.unscale(grads)
-        return grads
-
-    @staticmethod
-    def all_finite(grads):
-        return ampscale.all_finite(grads)
-
-    @staticmethod
-    def adjust(scaler, finite):
-        return scaler.update(finite)
-
-    @staticmethod
-    def select_tree(finite, new, old):
-        return jax.tree_util.tree_map(functools.partial(jnp.where, finite), new, old)
-
-    @staticmethod
-    def current(scaler):
-        return scaler.state.scale
+        ),
+        scale=lambda scaler, loss: scaler.scale(loss),
+        unscale=lambda scaler, grads: scaler.unscale(grads)[0],
+        all_finite=ampscale.all_finite,
+        adjust=lambda scaler, finite: scaler.update(finite),
+        select_tree=lambda finite, new, old: jax.tree_util.tree_map(functools.partial(jnp.where, finite), new, old),
+        current=lambda scaler: scaler.state.scale,
+    )
 
 
 def _haiku_program(api, axis_name: str):
@@ -675,8 +633,8 @@ def test_haiku_jmp_style_program_ports_bit_for_bit() -> None:
     ``grad_dtype="promote"``, ``scale``, ``unscale``, ``jmp.all_finite``, ``adjust``,
     ``jmp.select_tree``, ``loss_scale.loss_scale``; the state built by ``jax.pmap(initial_state)``."""
     pytest.importorskip("jmp")
-    theirs, their_history = _run_haiku_program(_Jmp)
-    ours, our_history = _run_haiku_program(_Ampscale)
+    theirs, their_history = _run_haiku_program(_jmp_rows())
+    ours, our_history = _run_haiku_program(_ampscale_rows())
     for name in ("scale", "finite", "loss"):
         their_values = np.stack([np.asarray(m[name]) for m in their_history])
         our_values = np.stack([np.asarray(m[name]) for m in our_history])
