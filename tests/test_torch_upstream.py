@@ -237,14 +237,18 @@ def test_sparse_gradients(scaler_class: type) -> None:
     assert check(grad.clone()) == 0.0
     assert torch.equal(param.grad.to_dense(), (grad / 4).to_dense())
     for bad in (float("inf"), float("nan")):
-        assert check(torch.sparse_coo_tensor(index, torch.tensor([16.0, bad, 64.0]), (2, 3))) == 1.0
+        assert (
+            check(torch.sparse_coo_tensor(index, torch.tensor([16.0, bad, 64.0]), (2, 3), check_invariants=True)) == 1.0
+        )
     half = torch.nn.Parameter(grad.clone().half())
     opt = torch.optim.SGD([half], lr=1.0)
     param = half
     assert check(grad.clone().half(), allow_fp16=True) == 0.0
     assert torch.equal(param.grad.to_dense(), (grad.half() / 4).to_dense())
     # each value fits float16, their sum at the duplicated index (0, 2) does not
-    duplicated = torch.sparse_coo_tensor([[0, 1, 0], [2, 0, 2]], torch.tensor([60000.0, 32.0, 60000.0]), (2, 3))
+    duplicated = torch.sparse_coo_tensor(
+        [[0, 1, 0], [2, 0, 2]], torch.tensor([60000.0, 32.0, 60000.0]), (2, 3), check_invariants=True
+    )
     assert check(duplicated.half(), allow_fp16=True) == 1.0
 
 
