@@ -7,7 +7,7 @@ loads this module the first time ``ShardedGradScaler`` is asked for.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,10 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):  # type: ignore[mi
     in float32; ``scale`` returns the output's own dtype (float16 losses stay float16). Unlike
     torch's: the flags are agreed in a fused optimizer's ``step`` too (torch's scaler agrees
     only in ``unscale_``, so with ``Adam(fused=True)`` and no ``unscale_`` its ranks can
-    disagree), and the scale follows the preset's rule on every device (torch's scaler, on the
-    CPU, grows by a float32 multiply with no check for overflow, so it can reach inf).
+    disagree); they are 0-d tensors (torch's ``unscale_`` makes 1-element 1-d ones, which a
+    fused optimizer's step then refuses); and the scale follows the preset's rule on every
+    device (torch's scaler, on the CPU, grows by a float32 multiply with no check for
+    overflow, so it can reach inf).
 
     Args:
         device: as :class:`~ampscale.torch.GradScaler`.
@@ -54,8 +56,6 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):  # type: ignore[mi
         process_group: the ranks that share the model (default: the default group).
         **settings: ``preset=``, ``check_loss=`` and any other ampscale setting.
     """
-
-    _found_inf_shape: ClassVar[tuple[int, ...]] = (1,)  # torch's sharded scaler uses (1,)
 
     def __init__(
         self,

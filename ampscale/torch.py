@@ -39,7 +39,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
@@ -147,9 +147,6 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         SettingError: a setting ampscale does not accept (a ``ValueError`` naming it, also an
             ``AssertionError`` as torch's own checks raise).
     """
-
-    #: shape of the ``found_inf`` tensors ``unscale_`` makes (FSDP's scaler uses ``(1,)``)
-    _found_inf_shape: ClassVar[tuple[int, ...]] = ()
 
     def __init__(
         self,
@@ -462,7 +459,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
             # not overridden: let the backend make the zero flags (torch makes one and copies it)
             return self._settle(self._unscale_into(optimizer, inv_scale, None))
-        found_inf = torch.full(self._found_inf_shape, 0.0, dtype=torch.float32, device=scale.device)
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         return self._settle(self._unscale_grads_(optimizer, inv_scale, found_inf, True))
 
     def unscale_(self, optimizer: Any) -> None:
