@@ -39,7 +39,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
 
 import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
@@ -108,6 +108,52 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return bool(tensor.is_cpu)
 
 
+_HOST_VIEW_DTYPES = frozenset({torch.float32, torch.float64, torch.int32})
+
+
+class _HostView:
+    """A NumPy view of a one-element CPU tensor, kept while the tensor stays the same object.
+
+    Reading or writing ``_scale`` and ``_growth_tracker`` through it costs a tenth of a
+    microsecond, against one to two for ``item()`` and ``fill_()``: the drop-in reads both and
+    writes the tracker on every ``update()``. The tensor itself stays what torch has (the same
+    object, updated in place); only its version counter does not move.
+    """
+
+    __slots__ = ("address", "array", "tensor")
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.address = 0
+        self.array: Any = None
+
+    def of(self, tensor: torch.Tensor) -> Any:
+        """The view of ``tensor`` (``None`` if it has none: not a plain one-element CPU tensor)."""
+        address = tensor.data_ptr()  # a tensor given new memory (set_, resize_) gets a new view
+        if tensor is not self.tensor or address != self.address:
+            self.tensor, self.address = tensor, address
+            plain = (
+                type(tensor) is torch.Tensor
+                and tensor.is_cpu
+                and tensor.dtype in _HOST_VIEW_DTYPES
+                and tensor.numel() == 1
+                and not tensor.requires_grad
+            )
+            self.array = tensor.numpy() if plain else None
+        return self.array
+
+    def read(self, tensor: torch.Tensor) -> Any:
+        array = self.of(tensor)
+        return tensor.item() if array is None else array.item()
+
+    def write(self, tensor: torch.Tensor, value: Any) -> None:
+        array = self.of(tensor)
+        if array is None:
+            tensor.fill_(value)
+        else:
+            array[...] = value
+
+
 #: step functions that take a ``grad_scaler`` keyword (``inspect.signature`` costs ~15 us)
 _takes_grad_scaler: dict[Any, bool] = {}
 
@@ -120,6 +166,9 @@ def _step_takes_grad_scaler(step: Any) -> bool:
             _takes_grad_scaler.clear()
         known = _takes_grad_scaler[function] = "grad_scaler" in inspect.signature(step).parameters
     return known
+
+
+_FLOAT32 = torch.float32
 
 
 class GradScaler(_TorchGradScaler):  # type: ignore[misc]
@@ -147,6 +196,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         SettingError: a setting ampscale does not accept (a ``ValueError`` naming it, also an
             ``AssertionError`` as torch's own checks raise).
     """
+
+    #: whether ``_multiply`` does more than multiply (FSDP's scaler casts back to the output's dtype)
+    _casts_outputs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -198,6 +250,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._rest: tuple[Any, ...] | None = None
         self._reset_loss_flags()
         self._step_applied: bool | None = None
+        self._scale_view, self._tracker_view = _HostView(), _HostView()
+        self._host_ops: HostOps | None = None
 
     # -- settings -------------------------------------------------------------------------------
     @staticmethod
@@ -284,6 +338,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         rest = self._rest if _on_host(self._scale) else [v.item() for v in self._rest]
         return ScalerState(self._scale.item(), self._growth_tracker.item(), *rest)
 
+    def _missing_state(self, funcname: str) -> NoReturn:
+        """Raise torch's error for a call that needs the state before the first ``scale()``."""
+        self._check_scale_growth_tracker(funcname)
+        raise AssertionError(f"Attempted {funcname} but _scale is None.")  # (torch's check raised already)
+
     # -- lazy state -----------------------------------------------------------------------------
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         """Create ``_scale`` and ``_growth_tracker`` on ``dev`` (torch's), and ampscale's counters."""
@@ -324,8 +383,19 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             scale = self._scale
             if scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
-                scale = self._scale
-            return self._scale_one(outputs, scale)
+                scale = cast(torch.Tensor, self._scale)
+            if self._casts_outputs or scale.dtype is not _FLOAT32 or not (scale.is_cpu and outputs.is_cpu):
+                return self._scale_one(outputs, scale)
+            # the common case inline: this runs once per micro-batch
+            scaled = outputs * scale
+            if self._check_loss and scaled.requires_grad:
+                # tolist(): item() on a tensor that requires grad warns (and costs 2 us more)
+                if _on_host(scaled) and scaled.dim() == 0 and not scaled.is_complex():
+                    if not math.isfinite(scaled.tolist()):
+                        self._loss_bad_on_host = True
+                else:
+                    self._note_loss(scaled)
+            return scaled
 
         moved: dict[torch.device, torch.Tensor] = {}  # the scale on each device, copied once
 
@@ -370,9 +440,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
     def _note_loss(self, scaled: torch.Tensor) -> None:
         """Fold ``scaled`` into this iteration's loss overflow flag (keeps no reference to it)."""
         if _on_host(scaled):
-            if scaled.numel() == 1 and scaled.dtype.is_floating_point:
-                finite = math.isfinite(scaled.item())
-            else:
+            with torch.no_grad():
                 finite = bool(torch.isfinite(scaled).all())
             if not finite:
                 self._loss_bad_on_host = True
@@ -448,7 +516,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
     def _inverse_scale(self, scale: torch.Tensor) -> torch.Tensor:
         """torch's ``1 / scale``: reciprocal in float64, then float32 (a cached constant on the CPU)."""
         if _on_host(scale):
-            return BACKEND.constant(BACKEND.inverse_scale(scale.item()), scale.device)
+            return BACKEND.constant(BACKEND.inverse_scale(self._scale_view.read(scale)), scale.device)
         inverse: torch.Tensor = BACKEND.inverse_scale(scale)
         return inverse
 
@@ -471,7 +539,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         """
         if not self._enabled:
             return
-        scale, _ = self._check_scale_growth_tracker("unscale_")
+        scale = self._scale
+        if scale is None or self._growth_tracker is None:
+            self._missing_state("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
@@ -504,7 +574,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
     def _maybe_opt_step(self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``optimizer.step()`` unless this optimizer's gradients overflowed (torch's; reads the flags)."""
         found = optimizer_state["found_inf_per_device"]
-        applied = not sum(v.item() for v in found.values())
+        if len(found) == 1:
+            (flag,) = found.values()
+            applied = not flag.item()
+        else:
+            applied = not sum(v.item() for v in found.values())
         self._step_applied = applied
         return optimizer.step(*args, **kwargs) if applied else None
 
@@ -523,7 +597,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             return StepResult(True, optimizer.step(*args, **kwargs), _NO_OVERFLOW)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale, _ = self._check_scale_growth_tracker("step")
+        scale = self._scale
+        if scale is None or self._growth_tracker is None:
+            self._missing_state("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -594,7 +670,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         """
         if not self._enabled:
             return
-        scale, tracker = self._check_scale_growth_tracker("update")
+        scale, tracker = self._scale, self._growth_tracker
+        if scale is None or tracker is None:
+            self._missing_state("update")
         floor_values: ScalerState | None = None
         if new_scale is not None:
             self._fill_scale(scale, new_scale)
@@ -604,7 +682,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             floor_values = self._update_on_device(scale, tracker)
         # a new dict, as torch: references to the old one (and its flags) stay intact
         self._per_optimizer_states = defaultdict(_fresh_state)
-        self._reset_loss_flags()
+        if self._loss_bad_on_host or self._loss_bad:
+            self._reset_loss_flags()
         if floor_values is not None:
             self._react_to_floor(floor_values)
 
@@ -617,20 +696,32 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         return found_infs
 
     def _update_on_host(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
-        finite = not sum(flag.item() for flag in self._found_infs())
-        loss_ok = not (self._loss_bad_on_host or any(bool(bad) for bad in self._loss_bad.values()))
+        total, flags = 0.0, 0
+        for state in self._per_optimizer_states.values():
+            for flag in state["found_inf_per_device"].values():
+                total += flag.item()  # torch sums the flags too
+                flags += 1
+        if not flags:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
         config = self._config
-        ops = config._cache.get("host")
-        if ops is None:
-            ops = config._cache["host"] = HostOps(config)
+        ops = self._host_ops
+        if ops is None or ops.config is not config:
+            ops = config._cache.get("host")
+            if ops is None:
+                ops = config._cache["host"] = HostOps(config)
+            self._host_ops = ops
         assert self._rest is not None
-        old_scale, old_tracker = scale.item(), tracker.item()
-        new, floor_event = ops.run(ScalerState(old_scale, old_tracker, *self._rest), finite, loss_ok)
-        if new.scale != old_scale or math.isnan(old_scale):
-            scale.fill_(new.scale)
+        scale_view, tracker_view = self._scale_view, self._tracker_view
+        old_scale, old_tracker = scale_view.read(scale), tracker_view.read(tracker)
+        # a plain tuple: the compiled transition unpacks any sequence of the fields
+        values = cast(ScalerState, (old_scale, old_tracker, *self._rest))
+        new, floor_event = ops.run(values, not total, loss_ok)
+        if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
+            scale_view.write(scale, new.scale)
         if new.growth_tracker != old_tracker:
-            tracker.fill_(new.growth_tracker)
-        self._rest = tuple(new[2:])
+            tracker_view.write(tracker, new.growth_tracker)
+        self._rest = new[2:]
         return new if floor_event and config.on_floor != "ignore" else None
 
     def _update_on_device(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
@@ -742,6 +833,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             state["_scale"] = None
             state["_growth_tracker"] = None
             state["_rest"] = None
+            state["_scale_view"], state["_tracker_view"] = _HostView(), _HostView()
+            state["_host_ops"] = None
             state["_loss_bad_on_host"] = False
             state["_loss_bad"] = {}
         return state

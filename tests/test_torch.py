@@ -605,6 +605,14 @@ def _write_the_state_tensors(scaler_class) -> list:
     scaler.update()
     assert (scaler.get_scale(), scaler._get_growth_tracker()) == (2.0, 0)
     assert scaler.state_dict()["scale"] == 2.0
+    scaler._scale.set_(torch.full((), 64.0))  # new memory under the same tensor objects
+    scaler._growth_tracker.set_(torch.full((), 2, dtype=torch.int32))
+    opt.zero_grad()
+    _one_backward(model, scaler)
+    grads += [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler._get_growth_tracker()) == (128.0, 0)
     return grads
 
 
