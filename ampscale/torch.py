@@ -154,6 +154,24 @@ class _HostView:
             array[...] = value
 
 
+def _torch_setting(name: str) -> Any:
+    """``_growth_factor`` and its kin: torch's attribute, kept as given, validated when written."""
+    key = f"_given_{name}"
+
+    def get(self: GradScaler) -> Any:
+        try:
+            return self.__dict__[key]
+        except KeyError:  # torch's disabled scaler has none until a setter stores one
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute '_{name}'") from None
+
+    def set(self: GradScaler, value: Any) -> None:
+        if self._enabled:
+            self._replace_setting(name, value)
+        self.__dict__[key] = value
+
+    return property(get, set, doc=f"The {name.replace('_', ' ')} as given (torch's attribute).")
+
+
 #: step functions that take a ``grad_scaler`` keyword (``inspect.signature`` costs ~15 us)
 _takes_grad_scaler: dict[Any, bool] = {}
 
@@ -237,9 +255,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._config = config
         self._init_scale = config.init_scale if init_scale is _UNSET else init_scale
         self._scale: torch.Tensor | None = None
-        self._growth_factor = config.growth_factor if growth_factor is _UNSET else growth_factor
-        self._backoff_factor = config.backoff_factor if backoff_factor is _UNSET else backoff_factor
-        self._growth_interval = config.growth_interval if growth_interval is _UNSET else growth_interval
+        self._set_given(
+            growth_factor=config.growth_factor if growth_factor is _UNSET else growth_factor,
+            backoff_factor=config.backoff_factor if backoff_factor is _UNSET else backoff_factor,
+            growth_interval=config.growth_interval if growth_interval is _UNSET else growth_interval,
+        )
         start = initial_values(config)
         self._init_growth_tracker = start.growth_tracker
         self._growth_tracker: torch.Tensor | None = None
@@ -294,25 +314,18 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             raise SettingError(str(exc)) from None
         self._config = new
         if new.backoff_rule == "divide":  # single-factor presets: the backoff follows the growth
-            self._backoff_factor = new.backoff_factor
+            self.__dict__["_given_backoff_factor"] = new.backoff_factor
 
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set a new growth factor (validated when enabled; stored unchecked when disabled, as torch)."""
-        if self._enabled:
-            self._replace_setting("growth_factor", new_factor)
-        self._growth_factor = new_factor
+    def _set_given(self, **values: Any) -> None:
+        """Store torch's settings as given (what the getters and ``state_dict`` return), unchecked."""
+        for name, value in values.items():
+            self.__dict__[f"_given_{name}"] = value
 
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set a new backoff factor (validated when enabled; stored unchecked when disabled, as torch)."""
-        if self._enabled:
-            self._replace_setting("backoff_factor", new_factor)
-        self._backoff_factor = new_factor
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set a new growth interval (validated when enabled; stored unchecked when disabled, as torch)."""
-        if self._enabled:
-            self._replace_setting("growth_interval", new_interval)
-        self._growth_interval = new_interval
+    # torch's attributes: what was given, as torch keeps it; writing one (as torch's setters,
+    # and code that skips them, do) validates it and changes the settings in use, once enabled
+    _growth_factor = _torch_setting("growth_factor")
+    _backoff_factor = _torch_setting("backoff_factor")
+    _growth_interval = _torch_setting("growth_interval")
 
     @property
     def config(self) -> ScalerConfig:
@@ -807,9 +820,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._config = config
         self._preset = config.preset
         self._init_scale = values.scale
-        self._growth_factor = state_dict["growth_factor"]
-        self._backoff_factor = state_dict["backoff_factor"]
-        self._growth_interval = state_dict["growth_interval"]
+        self._set_given(
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+        )
         self._init_growth_tracker = values.growth_tracker
         self._init_rest = tuple(values[2:])
         if self._scale is not None and self._growth_tracker is not None:

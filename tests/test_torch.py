@@ -637,6 +637,35 @@ def test_init_values_set_before_the_first_scale_are_used(scaler_class) -> None:
 
 
 @BOTH
+def test_settings_written_as_attributes_take_effect(scaler_class) -> None:
+    scaler = scaler_class("cpu", init_scale=8.0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler._growth_interval = 1  # as torch's setters do, and code that skips them
+    scaler._growth_factor = 4.0
+    scaler._backoff_factor = 0.25
+    for poisoned, expected in ((False, 32.0), (True, 8.0)):
+        opt.zero_grad()
+        _one_backward(model, scaler, poisoned)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == expected
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4.0, 0.25, 1)
+
+
+def test_settings_written_as_attributes_are_checked() -> None:
+    scaler = amp_torch.GradScaler("cpu")
+    with pytest.raises(ValueError, match="backoff_factor"):
+        scaler._backoff_factor = 0.0
+    assert scaler.get_backoff_factor() == 0.5  # unchanged
+    off = amp_torch.GradScaler("cpu", enabled=False)
+    with pytest.raises(AttributeError, match="_growth_factor"):
+        off._growth_factor  # torch's disabled scaler has no settings
+    off._growth_factor = -1.0  # stored unchecked and unused, as torch's
+    assert off.get_growth_factor() == -1.0
+
+
+@BOTH
 def test_per_optimizer_states_are_keyed_by_id(scaler_class) -> None:
     from torch.amp.grad_scaler import OptState
 
