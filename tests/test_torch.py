@@ -44,19 +44,28 @@ def train_step(model, optimizer, scaler, x, y, inject: bool):
     scaler.update()
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+SIDE_BY_SIDE = [
+    ({"growth_interval": 1}, {0, 1, 5}),
+    ({"growth_interval": 2}, {3, 4, 9, 17}),
+    ({"growth_interval": 3, "init_scale": 2.0**10}, {7}),
+    ({"growth_interval": 7, "growth_factor": 1.5, "backoff_factor": 0.75}, {2, 11, 12, 13}),
+    ({"growth_interval": 1, "init_scale": 2.0**125}, set()),  # growth reaches the float32 ceiling
+    ({"growth_interval": 5, "growth_factor": 1.1, "backoff_factor": 0.3}, {1, 8}),
+]
+# the device path on a few of them (the same transition, so fewer cases suffice)
+DEVICE_SIDE_BY_SIDE = [(o, *SIDE_BY_SIDE[k], "device") for o in ("sgd", "adam-fused") for k in (1, 3, 4)]
+
+
 @pytest.mark.parametrize(
-    ("settings", "inject_at"),
-    [
-        ({"growth_interval": 1}, {0, 1, 5}),
-        ({"growth_interval": 2}, {3, 4, 9, 17}),
-        ({"growth_interval": 3, "init_scale": 2.0**10}, {7}),
-        ({"growth_interval": 7, "growth_factor": 1.5, "backoff_factor": 0.75}, {2, 11, 12, 13}),
-        ({"growth_interval": 1, "init_scale": 2.0**125}, set()),  # growth reaches the float32 ceiling
-        ({"growth_interval": 5, "growth_factor": 1.1, "backoff_factor": 0.3}, {1, 8}),
-    ],
+    ("optimizer", "settings", "inject_at", "state"),
+    [(o, *case, "host") for o in sorted(OPTIMIZERS) for case in SIDE_BY_SIDE] + DEVICE_SIDE_BY_SIDE,
 )
-def test_side_by_side_with_torch_grad_scaler(optimizer: str, settings: dict, inject_at: set) -> None:
+def test_side_by_side_with_torch_grad_scaler(
+    monkeypatch, optimizer: str, settings: dict, inject_at: set, state: str
+) -> None:
+    """``state="device"`` runs the accelerator path (0-d tensor state, tensor transition) on CPU tensors."""
+    if state == "device":
+        monkeypatch.setattr(amp_torch, "_on_host", lambda tensor: False)
     ours_model, torch_model = make_model(), make_model()
     ours_opt, torch_opt = (
         OPTIMIZERS[optimizer](ours_model.parameters()),
