@@ -57,7 +57,7 @@ from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 if TYPE_CHECKING:
     from ampscale._torch_sharded import ShardedGradScaler
 
-__all__ = ["GradScaler", "OptState", "ShardedGradScaler", "StepResult"]
+__all__ = ["GradScaler", "OptState", "SettingError", "ShardedGradScaler", "StepResult"]
 
 
 class SettingError(ValueError, AssertionError):
