@@ -99,13 +99,16 @@ def _grads_of(optimizer: Any) -> list[torch.Tensor]:
     return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
 
 
+#: run the accelerator code path on CPU tensors too (tests: to exercise it, and show it reads nothing)
+_DEVICE_PATH_EVERYWHERE = False
+
+
 def _on_host(tensor: torch.Tensor) -> bool:
     """Whether reading ``tensor`` is a plain memory read (CPU), not a device sync.
 
-    Every host-or-device decision of the drop-in goes through here, so the device path can be
-    exercised (and shown to read nothing) on CPU tensors.
+    Every host-or-device decision of the drop-in is this one (inlined in the hot paths).
     """
-    return bool(tensor.is_cpu)
+    return bool(tensor.is_cpu) and not _DEVICE_PATH_EVERYWHERE
 
 
 _HOST_VIEW_DTYPES = frozenset({torch.float32, torch.float64, torch.int32})
@@ -187,6 +190,8 @@ def _step_takes_grad_scaler(step: Any) -> bool:
 
 
 _FLOAT32 = torch.float32
+_Tensor = torch.Tensor
+_UNCHECKED = object()
 
 
 class GradScaler(_TorchGradScaler):  # type: ignore[misc]
@@ -272,6 +277,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._step_applied: bool | None = None
         self._scale_view, self._tracker_view = _HostView(), _HostView()
         self._host_ops: HostOps | None = None
+        self._plain_scale: object = _UNCHECKED  # the _scale the inline scale() path has checked
 
     # -- settings -------------------------------------------------------------------------------
     @staticmethod
@@ -392,22 +398,30 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         """
         if not self._enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor):
+        if isinstance(outputs, _Tensor):
             scale = self._scale
-            if scale is None:
-                self._lazy_init_scale_growth_tracker(outputs.device)
-                scale = cast(torch.Tensor, self._scale)
-            if self._casts_outputs or scale.dtype is not _FLOAT32 or not (scale.is_cpu and outputs.is_cpu):
-                return self._scale_one(outputs, scale)
+            if scale is not self._plain_scale or not outputs.is_cpu:
+                if scale is None:
+                    self._lazy_init_scale_growth_tracker(outputs.device)
+                    scale = cast(torch.Tensor, self._scale)
+                if self._casts_outputs or scale.dtype is not _FLOAT32 or not (scale.is_cpu and outputs.is_cpu):
+                    return self._scale_one(outputs, scale)
+                self._plain_scale = scale  # a float32 CPU tensor: checked once per tensor object
             # the common case inline: this runs once per micro-batch
             scaled = outputs * scale
             if self._check_loss and scaled.requires_grad:
-                # tolist(): item() on a tensor that requires grad warns (and costs 2 us more)
-                if _on_host(scaled) and scaled.dim() == 0 and not scaled.is_complex():
-                    if not math.isfinite(scaled.tolist()):
-                        self._loss_bad_on_host = True
-                else:
+                if scaled.dim() or _DEVICE_PATH_EVERYWHERE:
                     self._note_loss(scaled)
+                else:
+                    # tolist(), not item(): item() on a tensor that requires grad warns (and
+                    # costs 2 us more); a complex loss goes the general way
+                    try:
+                        finite = math.isfinite(scaled.tolist())
+                    except TypeError:
+                        self._note_loss(scaled)
+                    else:
+                        if not finite:
+                            self._loss_bad_on_host = True
             return scaled
 
         moved: dict[torch.device, torch.Tensor] = {}  # the scale on each device, copied once
@@ -689,7 +703,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         floor_values: ScalerState | None = None
         if new_scale is not None:
             self._fill_scale(scale, new_scale)
-        elif _on_host(scale):
+        elif scale.is_cpu and not _DEVICE_PATH_EVERYWHERE:
             floor_values = self._update_on_host(scale, tracker)
         else:
             floor_values = self._update_on_device(scale, tracker)
@@ -725,15 +739,19 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 ops = config._cache["host"] = HostOps(config)
             self._host_ops = ops
         assert self._rest is not None
-        scale_view, tracker_view = self._scale_view, self._tracker_view
-        old_scale, old_tracker = scale_view.read(scale), tracker_view.read(tracker)
+        scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
+        old_scale = scale.item() if scale_array is None else scale_array.item()
+        old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
         # a plain tuple: the compiled transition unpacks any sequence of the fields
         values = cast(ScalerState, (old_scale, old_tracker, *self._rest))
         new, floor_event = ops.run(values, not total, loss_ok)
         if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
-            scale_view.write(scale, new.scale)
+            self._scale_view.write(scale, new.scale)
         if new.growth_tracker != old_tracker:
-            tracker_view.write(tracker, new.growth_tracker)
+            if tracker_array is None:
+                tracker.fill_(new.growth_tracker)
+            else:
+                tracker_array[...] = new.growth_tracker
         self._rest = new[2:]
         return new if floor_event and config.on_floor != "ignore" else None
 
@@ -850,6 +868,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             state["_rest"] = None
             state["_scale_view"], state["_tracker_view"] = _HostView(), _HostView()
             state["_host_ops"] = None
+            state["_plain_scale"] = _UNCHECKED
             state["_loss_bad_on_host"] = False
             state["_loss_bad"] = {}
         return state

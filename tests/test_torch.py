@@ -65,7 +65,7 @@ def test_side_by_side_with_torch_grad_scaler(
 ) -> None:
     """``state="device"`` runs the accelerator path (0-d tensor state, tensor transition) on CPU tensors."""
     if state == "device":
-        monkeypatch.setattr(amp_torch, "_on_host", lambda tensor: False)
+        monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
     ours_model, torch_model = make_model(), make_model()
     ours_opt, torch_opt = (
         OPTIMIZERS[optimizer](ours_model.parameters()),
@@ -319,7 +319,7 @@ def test_what_torch_lacks_presets_floors_hysteresis() -> None:
 
 def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
     """With device-resident state (as on a GPU), a fused step and update never read a value."""
-    monkeypatch.setattr(amp_torch, "_on_host", lambda tensor: False)  # the device path, on CPU tensors
+    monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)  # the device path, on CPU tensors
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     scaler = amp_torch.GradScaler("cpu", growth_interval=2)
