@@ -7,7 +7,7 @@ loads this module the first time ``ShardedGradScaler`` is asked for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ class ShardedGradScaler(GradScaler, _TorchShardedGradScaler):  # type: ignore[mi
         process_group: the ranks that share the model (default: the default group).
         **settings: ``preset=``, ``check_loss=`` and any other ampscale setting.
     """
+
+    _casts_outputs: ClassVar[bool] = True  # scale() goes through _multiply, which casts back
 
     def __init__(
         self,

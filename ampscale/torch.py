@@ -141,6 +141,7 @@ class _HostView:
                 and tensor.dtype in _HOST_VIEW_DTYPES
                 and tensor.numel() == 1
                 and not tensor.requires_grad
+                and not tensor.is_neg()
             )
             self.array = tensor.numpy() if plain else None
         return self.array

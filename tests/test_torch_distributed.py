@@ -247,6 +247,24 @@ def test_documented_differences_from_torchs_sharded_scaler(ranks: list[dict]) ->
     assert [r["ceiling-ampscale"]["scale"] for r in ranks] == [2.0**127] * 2
 
 
+def test_sharded_scalers_keep_the_outputs_dtype() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    import ampscale.torch as amp_torch
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        loss = torch.tensor(3.0, dtype=dtype, requires_grad=True)
+        ours = amp_torch.ShardedGradScaler("cpu", init_scale=4.0).scale([loss, (loss * 2,)])
+        theirs = ShardedGradScaler("cpu", init_scale=4.0).scale([loss, (loss * 2,)])
+        assert ours[0].dtype == theirs[0].dtype == ours[1][0].dtype == dtype
+        assert ours[0].item() == theirs[0].item() == 12.0
+        assert amp_torch.ShardedGradScaler("cpu", init_scale=4.0).scale(loss).dtype == dtype
+    # float16 overflows where float32 would not: the returned (float16) value is what is checked
+    scaler = amp_torch.ShardedGradScaler("cpu", init_scale=2.0**16)
+    assert scaler.scale(torch.tensor(2.0, dtype=torch.float16, requires_grad=True)).isinf()
+    assert scaler._loss_bad_on_host
+
+
 def test_copy_of_the_sharded_scaler_keeps_its_class() -> None:
     import ampscale.torch as amp_torch
 
