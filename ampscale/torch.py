@@ -744,8 +744,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         old_scale = scale.item() if scale_array is None else scale_array.item()
         old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
         # a plain tuple: the compiled transition unpacks any sequence of the fields
-        values = cast(ScalerState, (old_scale, old_tracker, *self._rest))
-        new, floor_event = ops.run(values, not total, loss_ok)
+        new, floor_event = ops.run((old_scale, old_tracker, *self._rest), not total, loss_ok)  # type: ignore[arg-type]
         if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
             self._scale_view.write(scale, new.scale)
         if new.growth_tracker != old_tracker:
