@@ -705,7 +705,36 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if new_scale is not None:
             self._fill_scale(scale, new_scale)
         elif scale.is_cpu and not _DEVICE_PATH_EVERYWHERE:
-            floor_values = self._update_on_host(scale, tracker)
+            # the host transition, inline (it runs on every step): the flags and the state read
+            # as Python numbers, the tensors written through their NumPy views
+            total, flags = 0.0, 0
+            for state in self._per_optimizer_states.values():
+                for flag in state["found_inf_per_device"].values():
+                    total += flag.item()  # torch sums the flags too
+                    flags += 1
+            if not flags:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
+            config = self._config
+            ops = self._host_ops
+            if ops is None or ops.config is not config:
+                ops = self._host_ops = config._cache.get("host") or HostOps(config)
+                config._cache["host"] = ops
+            scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
+            old_scale = scale.item() if scale_array is None else scale_array.item()
+            old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
+            # a plain tuple: the compiled transition unpacks any sequence of the fields
+            new, floor_event = ops.run((old_scale, old_tracker, *self._rest), not total, loss_ok)  # type: ignore[arg-type, misc]
+            if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
+                self._scale_view.write(scale, new.scale)
+            if new.growth_tracker != old_tracker:
+                if tracker_array is None:
+                    tracker.fill_(new.growth_tracker)
+                else:
+                    tracker_array[...] = new.growth_tracker
+            self._rest = new[2:]
+            if floor_event and config.on_floor != "ignore":
+                floor_values = new
         else:
             floor_values = self._update_on_device(scale, tracker)
         # a new dict, as torch: references to the old one (and its flags) stay intact
@@ -722,38 +751,6 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
         return found_infs
-
-    def _update_on_host(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
-        total, flags = 0.0, 0
-        for state in self._per_optimizer_states.values():
-            for flag in state["found_inf_per_device"].values():
-                total += flag.item()  # torch sums the flags too
-                flags += 1
-        if not flags:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
-        config = self._config
-        ops = self._host_ops
-        if ops is None or ops.config is not config:
-            ops = config._cache.get("host")
-            if ops is None:
-                ops = config._cache["host"] = HostOps(config)
-            self._host_ops = ops
-        assert self._rest is not None
-        scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
-        old_scale = scale.item() if scale_array is None else scale_array.item()
-        old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
-        # a plain tuple: the compiled transition unpacks any sequence of the fields
-        new, floor_event = ops.run((old_scale, old_tracker, *self._rest), not total, loss_ok)  # type: ignore[arg-type]
-        if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
-            self._scale_view.write(scale, new.scale)
-        if new.growth_tracker != old_tracker:
-            if tracker_array is None:
-                tracker.fill_(new.growth_tracker)
-            else:
-                tracker_array[...] = new.growth_tracker
-        self._rest = new[2:]
-        return new if floor_event and config.on_floor != "ignore" else None
 
     def _update_on_device(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
         home = scale.device
