@@ -768,7 +768,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         assert self._rest is not None
         state = ScalerState(scale, tracker, *self._rest)
         ops = BACKEND.ops(config, state)
-        new, _, floor_event = BACKEND.run_transition(config, state, combined == 0, loss_finite, ops)
+        # the generic tensor transition: torch's two tensors stay the ones updated in place (the
+        # backend's packed one-launch record would hold the state in a buffer of its own)
+        new, _, floor_event = Backend.run_transition(BACKEND, config, state, combined == 0, loss_finite, ops)
         scale.copy_(new.scale)  # in place, as torch's kernel: held references see the new scale
         tracker.copy_(new.growth_tracker)
         self._rest = tuple(new[2:])
