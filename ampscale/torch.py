@@ -1,7 +1,9 @@
-"""``ampscale.torch.GradScaler``: a drop-in for ``torch.amp.GradScaler``, and what it lacks.
+"""``ampscale.torch``: drop-ins for ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler``.
 
-Same constructor, methods, call order rules, error messages and ``state_dict`` keys as
-``torch.amp.GradScaler``, so existing loops run unchanged::
+:class:`GradScaler` is a subclass of ``torch.amp.GradScaler`` with the same constructor,
+methods, call-order errors, ``state_dict`` keys and private attributes (``_scale``,
+``_growth_tracker``, ``_per_optimizer_states``, ``_unscale_grads_``, ...), each with torch's
+meaning, so existing loops, and the libraries that reach into the scaler, run unchanged::
 
     scaler = ampscale.torch.GradScaler("cuda")
     for batch in loader:
@@ -20,36 +22,42 @@ Differences, all additions:
 * float16 and bfloat16 gradients are accepted (torch refuses float16 and, on CUDA, bfloat16).
 * ``preset=``, ``hysteresis=``, ``min_scale=``, ``max_scale=``, ``on_floor=`` and the other
   ampscale settings; a ``process_group`` whose ranks agree on overflow before anything changes.
-* a scaled loss that is not finite counts as an overflow (``check_loss=False`` turns it off).
-* with a fused optimizer (``Adam(fused=True)``) nothing is read on the host, as in torch.
+* a scaled loss that is not finite counts as an overflow (``check_loss=False`` turns it off);
+  see :meth:`GradScaler.scale` for the exact rule.
+
+The state is torch's: ``_scale`` (float32) and ``_growth_tracker`` (int32) are 0-d tensors on
+the device of the first scaled output, updated in place; changing them in place or assigning
+new ones changes the scale as it does in torch. ampscale's other counters (hysteresis, skipped
+steps, ...) live beside them, as Python numbers on the CPU and 0-d tensors elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
+import inspect
+import math
 import warnings
-import weakref
+from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
 
 import torch
+from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
+from torch.amp.grad_scaler import OptState
 
-from ampscale._config import _UNSET, ScalerConfig, make_config
+from ampscale._config import _UNSET, INT32_MAX, PRESETS, ScalerConfig, make_config
 from ampscale._core import ScalerState, initial_values
+from ampscale._errors import AmpscaleWarning
+from ampscale._ops import HostOps
 from ampscale._scaler import Scaler, _PendingScaler
 from ampscale._state_dict import from_state_dict, to_state_dict
+from ampscale.backends._base import Backend
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 
-__all__ = ["GradScaler", "OptState", "StepResult"]
+if TYPE_CHECKING:
+    from ampscale._torch_sharded import ShardedGradScaler
 
-
-class OptState(enum.Enum):
-    """Where an optimizer is in the current iteration (torch's names)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+__all__ = ["GradScaler", "OptState", "SettingError", "ShardedGradScaler", "StepResult"]
 
 
 class SettingError(ValueError, AssertionError):
@@ -64,7 +72,8 @@ class StepResult:
         applied: whether ``optimizer.step()`` took effect: a Python bool, or a 0-d bool tensor
             on the fused path (read it only when you need it: that read is a sync).
         retval: the return value of ``optimizer.step()`` (``None`` if it was skipped).
-        found_inf: 0-d float32 tensor, 1.0 when this optimizer's step overflowed.
+        found_inf: 0-d float32 tensor, nonzero when this optimizer's step overflowed (shared:
+            do not modify it).
     """
 
     applied: bool | torch.Tensor
@@ -75,34 +84,145 @@ class StepResult:
         return bool(self.applied)
 
 
+#: ``found_inf`` of a step that checked nothing (a disabled scaler): shared, never written
+_NO_OVERFLOW = torch.zeros(())
+
+
+def _fresh_state() -> dict[str, Any]:
+    """A new entry of ``_per_optimizer_states``: torch's, with torch's ``OptState``."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
 def _grads_of(optimizer: Any) -> list[torch.Tensor]:
     """The optimizer's gradients, each ``.grad`` read once (with thousands of parameters the
     reads are a large part of the step)."""
     return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
 
 
-def _fresh_state() -> dict[str, Any]:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+#: run the accelerator code path on CPU tensors too (tests: to exercise it, and show it reads nothing)
+_DEVICE_PATH_EVERYWHERE = False
 
 
-class GradScaler:
+def _on_host(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor`` is a plain memory read (CPU), not a device sync.
+
+    Every host-or-device decision of the drop-in is this one (inlined in the hot paths).
+    """
+    return bool(tensor.is_cpu) and not _DEVICE_PATH_EVERYWHERE
+
+
+_HOST_VIEW_DTYPES = frozenset({torch.float32, torch.float64, torch.int32})
+
+
+class _HostView:
+    """A NumPy view of a one-element CPU tensor, kept while the tensor stays the same object.
+
+    Reading or writing ``_scale`` and ``_growth_tracker`` through it costs a tenth of a
+    microsecond, against one to two for ``item()`` and ``fill_()``: the drop-in reads both and
+    writes the tracker on every ``update()``. The tensor itself stays what torch has (the same
+    object, updated in place); only its version counter does not move.
+    """
+
+    __slots__ = ("address", "array", "tensor")
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.address = 0
+        self.array: Any = None
+
+    def of(self, tensor: torch.Tensor) -> Any:
+        """The view of ``tensor`` (``None`` if it has none: not a plain one-element CPU tensor)."""
+        address = tensor.data_ptr()  # a tensor given new memory (set_, resize_) gets a new view
+        if tensor is not self.tensor or address != self.address:
+            self.tensor, self.address = tensor, address
+            plain = (
+                type(tensor) is torch.Tensor
+                and tensor.is_cpu
+                and tensor.dtype in _HOST_VIEW_DTYPES
+                and tensor.numel() == 1
+                and not tensor.requires_grad
+                and not tensor.is_neg()
+            )
+            self.array = tensor.numpy() if plain else None
+        return self.array
+
+    def read(self, tensor: torch.Tensor) -> Any:
+        array = self.of(tensor)
+        return tensor.item() if array is None else array.item()
+
+    def write(self, tensor: torch.Tensor, value: Any) -> None:
+        array = self.of(tensor)
+        if array is None:
+            tensor.fill_(value)
+        else:
+            array[...] = value
+
+
+def _torch_setting(name: str) -> Any:
+    """``_growth_factor`` and its kin: torch's attribute, kept as given, validated when written."""
+    key = f"_given_{name}"
+
+    def get(self: GradScaler) -> Any:
+        try:
+            return self.__dict__[key]
+        except KeyError:  # torch's disabled scaler has none until a setter stores one
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute '_{name}'") from None
+
+    def set(self: GradScaler, value: Any) -> None:
+        if self._enabled:
+            self._replace_setting(name, value)
+        self.__dict__[key] = value
+
+    return property(get, set, doc=f"The {name.replace('_', ' ')} as given (torch's attribute).")
+
+
+#: step functions that take a ``grad_scaler`` keyword (``inspect.signature`` costs ~15 us)
+_takes_grad_scaler: dict[Any, bool] = {}
+
+
+def _step_takes_grad_scaler(step: Any) -> bool:
+    function = getattr(step, "__func__", step)
+    known = _takes_grad_scaler.get(function)
+    if known is None:
+        if len(_takes_grad_scaler) > 256:
+            _takes_grad_scaler.clear()
+        known = _takes_grad_scaler[function] = "grad_scaler" in inspect.signature(step).parameters
+    return known
+
+
+_FLOAT32 = torch.float32
+_Tensor = torch.Tensor
+_UNCHECKED = object()
+
+
+class GradScaler(_TorchGradScaler):  # type: ignore[misc]
     """Drop-in ``torch.amp.GradScaler`` on ampscale's state machine.
 
     Args:
-        device: ``"cuda"`` (torch's default; disabled with a warning when CUDA is absent),
-            ``"cpu"``, or another device type.
+        device: ``"cuda"`` (torch's default; disabled with a warning when torch's own check,
+            ``torch.cuda.amp.common.amp_definitely_not_available()``, says so), ``"cpu"``, or
+            another device type.
         init_scale: initial scale (preset default; torch: ``2.0**16``).
         growth_factor: growth factor (torch: 2.0).
         backoff_factor: backoff factor (torch: 0.5).
-        growth_interval: finite steps between growths (torch: 2000).
+        growth_interval: finite steps between growths (torch: 2000). As in torch, a value below
+            1 means the scale never grows (with an ``AmpscaleWarning``).
         enabled: ``False`` makes every method a no-op, as in torch.
         preset: whose exact policy to follow (see ``ampscale.PRESETS``); default ``"torch"``.
-        check_loss: count a non-finite scaled loss as an overflow (default ``True``).
+        check_loss: count a non-finite scaled loss as an overflow (default ``True``; see
+            :meth:`scale`).
         process_group: a ``torch.distributed`` process group (or ``"world"``) whose ranks must
-            agree on overflow; the flag is all-reduced in ``unscale_``.
+            agree on overflow; the flags are all-reduced (MAX) in ``unscale_``.
         **settings: any other ``ampscale.create_scaler`` setting (``hysteresis``,
             ``min_scale``, ``max_scale``, ``on_floor``, ...).
+
+    Raises:
+        SettingError: a setting ampscale does not accept (a ``ValueError`` naming it, also an
+            ``AssertionError`` as torch's own checks raise).
     """
+
+    #: whether ``_multiply`` does more than multiply (FSDP's scaler casts back to the output's dtype)
+    _casts_outputs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -118,95 +238,206 @@ class GradScaler:
         process_group: Any = None,
         **settings: Any,
     ) -> None:
+        # torch's attributes, with torch's names and meaning (no call to torch's __init__:
+        # its checks are a subset of ampscale's)
         self._device = device
         self._enabled = enabled
-        if device == "cuda" and enabled and not torch.cuda.is_available():
+        if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         self._check_loss = check_loss
         self._process_group = process_group
-        self._per_optimizer_states: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        self._losses: list[torch.Tensor] = []
-        self._last_loss_finite: torch.Tensor | None = None
-        self._disabled_settings: dict[str, Any] = {}  # what setters store while disabled, as torch
         if not self._enabled:
             return
-        try:
-            config = make_config(
-                preset,
-                init_scale=init_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                **settings,
+        given = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        config = self._new_config(preset, given, settings)
+        self._preset = preset
+        self._settings = settings
+        self._config = config
+        self._init_scale = config.init_scale if init_scale is _UNSET else init_scale
+        self._scale: torch.Tensor | None = None
+        self._set_given(
+            growth_factor=config.growth_factor if growth_factor is _UNSET else growth_factor,
+            backoff_factor=config.backoff_factor if backoff_factor is _UNSET else backoff_factor,
+            growth_interval=config.growth_interval if growth_interval is _UNSET else growth_interval,
+        )
+        start = initial_values(config)
+        self._init_growth_tracker = start.growth_tracker
+        self._growth_tracker: torch.Tensor | None = None
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(_fresh_state)
+        # ampscale's other fields (ScalerState[2:]): pending values until the first scale(),
+        # then Python numbers (CPU) or 0-d tensors beside _scale
+        self._init_rest: tuple[Any, ...] = tuple(start[2:])
+        self._rest: tuple[Any, ...] | None = None
+        self._reset_loss_flags()
+        self._step_applied: bool | None = None
+        self._scale_view, self._tracker_view = _HostView(), _HostView()
+        self._host_ops: HostOps | None = None
+        self._plain_scale: object = _UNCHECKED  # the _scale the inline scale() path has checked
+
+    # -- settings -------------------------------------------------------------------------------
+    @staticmethod
+    def _config_value(name: str, value: Any, lowest_interval: int) -> Any:
+        """The value ampscale's config stores for a torch setting.
+
+        torch grows when its counter *equals* ``growth_interval``, so an interval below the
+        counter's first value means "never": the longest interval has the same trajectory.
+        """
+        if (
+            name == "growth_interval"
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value < lowest_interval
+        ):
+            warnings.warn(
+                f"growth_interval={value!r}: the scale never grows (the good-step counter never equals it)",
+                AmpscaleWarning,
+                stacklevel=4,
             )
+            return INT32_MAX - 1
+        return value
+
+    def _new_config(self, preset: str, given: dict[str, Any], settings: dict[str, Any]) -> ScalerConfig:
+        default_offset = PRESETS[preset].defaults["interval_offset"] if preset in PRESETS else 0
+        offset = settings.get("interval_offset", default_offset)
+        lowest = 1 - offset if isinstance(offset, int) else 1
+        values = {name: self._config_value(name, value, lowest) for name, value in given.items()}
+        try:
+            return make_config(preset, **values, **settings)
         except ValueError as exc:
             raise SettingError(str(exc)) from None
-        self._scaler: Scaler = Scaler(config, None, BACKEND)
 
-    # -- internals --------------------------------------------------------------------------
-    @property
-    def scaler(self) -> Scaler:
-        """The immutable ``ampscale.Scaler`` behind this object (its state and outcome)."""
-        return self._scaler
+    def _replace_setting(self, name: str, value: Any) -> None:
+        config = self._config
+        stored = self._config_value(name, value, 1 - config.interval_offset)
+        try:
+            new = config.replace(**{name: stored})
+        except ValueError as exc:
+            raise SettingError(str(exc)) from None
+        self._config = new
+        if new.backoff_rule == "divide":  # single-factor presets: the backoff follows the growth
+            self.__dict__["_given_backoff_factor"] = new.backoff_factor
+
+    def _set_given(self, **values: Any) -> None:
+        """Store torch's settings as given (what the getters and ``state_dict`` return), unchecked."""
+        for name, value in values.items():
+            self.__dict__[f"_given_{name}"] = value
+
+    # torch's attributes: what was given, as torch keeps it; writing one (as torch's setters,
+    # and code that skips them, do) validates it and changes the settings in use, once enabled
+    _growth_factor = _torch_setting("growth_factor")
+    _backoff_factor = _torch_setting("backoff_factor")
+    _growth_interval = _torch_setting("growth_interval")
 
     @property
     def config(self) -> ScalerConfig:
-        """The settings in use."""
-        return self._scaler.config
+        """The settings in use (ampscale's view of them)."""
+        return self._config
 
-    def _initialized(self) -> bool:
-        return self._scaler.state is not None
+    @property
+    def scaler(self) -> Scaler:
+        """An immutable ``ampscale.Scaler`` snapshot of this one (``.outcome``, ``.get_stats()``)."""
+        if self._scale is None:
+            return _PendingScaler(self._config, self._host_values(), BACKEND)
+        if _on_host(self._scale):
+            return Scaler(self._config, self._host_values(), BACKEND)
+        assert self._growth_tracker is not None
+        assert self._rest is not None
+        state = ScalerState(self._scale.clone(), self._growth_tracker.clone(), *self._rest)
+        return Scaler(self._config, state, BACKEND)
 
-    def _lazy_init(self, device: torch.device) -> None:
-        scaler = self._scaler
-        values = scaler._values if isinstance(scaler, _PendingScaler) else initial_values(scaler.config)
-        state = BACKEND.make_state(values, scaler.config, torch.empty((), device=device))
-        self._scaler = Scaler(scaler.config, state, BACKEND)
+    def _host_values(self) -> ScalerState:
+        """The whole state as Python numbers (a host read on an accelerator)."""
+        if self._scale is None or self._growth_tracker is None or self._rest is None:
+            return ScalerState(self._init_scale, self._init_growth_tracker, *self._init_rest)
+        rest = self._rest if _on_host(self._scale) else [v.item() for v in self._rest]
+        return ScalerState(self._scale.item(), self._growth_tracker.item(), *rest)
 
-    def _require_initialized(self, funcname: str) -> ScalerState:
-        state: ScalerState | None = self._scaler._state
-        if state is None:
-            raise AssertionError(
-                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
-                "scaler.scale(loss or outputs) earlier in the iteration."
-            )
-        return state
+    def _missing_state(self, funcname: str) -> NoReturn:
+        """Raise torch's error for a call that needs the state before the first ``scale()``."""
+        self._check_scale_growth_tracker(funcname)
+        raise AssertionError(f"Attempted {funcname} but _scale is None.")  # (torch's check raised already)
 
-    def _scale_tensor(self, device: torch.device) -> torch.Tensor:
-        state = self._require_initialized("scale")
-        scale = state.scale
-        if isinstance(scale, torch.Tensor):
-            tensor = scale if scale.dtype == torch.float32 else scale.to(torch.float32)
-            return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
-        return BACKEND.constant(float(scale), device)
+    # -- lazy state -----------------------------------------------------------------------------
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        """Create ``_scale`` and ``_growth_tracker`` on ``dev`` (torch's), and ampscale's counters."""
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        config = self._config
+        like = torch.empty((), device=dev)
+        wide = config.scale_dtype == "float64" and BACKEND.has_float64(like)
+        self._scale = torch.full((), self._init_scale, dtype=torch.float64 if wide else torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        if _on_host(self._scale):
+            self._rest = self._init_rest
+        else:
+            values = ScalerState(float(self._init_scale), int(self._init_growth_tracker), *self._init_rest)
+            self._rest = self._device_rest(values, config)
 
-    def _state_for(self, optimizer: Any) -> dict[str, Any]:
-        state = self._per_optimizer_states.get(optimizer)
-        if state is None:
-            state = self._per_optimizer_states[optimizer] = _fresh_state()
-        return state
+    def _device_rest(self, values: ScalerState, config: ScalerConfig) -> tuple[Any, ...]:
+        """ampscale's other fields as 0-d tensors beside ``_scale``."""
+        assert self._scale is not None
+        # the generic tensor state (the torch backend would keep CPU state as Python numbers)
+        return tuple(Backend.make_state(BACKEND, values, config, self._scale)[2:])
 
-    # -- scale ------------------------------------------------------------------------------
+    # -- scale ----------------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor or an iterable of tensors by the scale (torch's semantics).
 
-        With ``check_loss`` (the default) the scaled values are remembered, detached, so that a
-        non-finite scaled loss counts as an overflow of this iteration.
+        With ``check_loss`` (the default), each scaled output that can seed a backward pass
+        (``requires_grad``) is checked at once and folded into one overflow flag per device;
+        nothing is kept. The rule: a non-finite scaled output counts as an overflow for every
+        optimizer unscaled (by ``unscale_`` or ``step``) after it and before the next
+        ``update()``, which then backs off once; outputs scaled under ``torch.no_grad()`` (for
+        logging, say) never count. On the CPU the check reads the value (no device involved);
+        elsewhere it is two small kernels and no sync.
         """
         if not self._enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor):
-            if not self._initialized():
-                self._lazy_init(outputs.device)
-            scaled = outputs * self._scale_tensor(outputs.device)
-            if self._check_loss:
-                self._losses.append(scaled.detach())
+        if isinstance(outputs, _Tensor):
+            scale = self._scale
+            if scale is not self._plain_scale or not outputs.is_cpu:
+                if scale is None:
+                    self._lazy_init_scale_growth_tracker(outputs.device)
+                    scale = cast(torch.Tensor, self._scale)
+                if self._casts_outputs or scale.dtype is not _FLOAT32 or not (scale.is_cpu and outputs.is_cpu):
+                    return self._scale_one(outputs, scale)
+                self._plain_scale = scale  # a float32 CPU tensor: checked once per tensor object
+            # the common case inline: this runs once per micro-batch
+            scaled = outputs * scale
+            if self._check_loss and scaled.requires_grad:
+                if scaled.dim() or _DEVICE_PATH_EVERYWHERE:
+                    self._note_loss(scaled)
+                else:
+                    # tolist(), not item(): item() on a tensor that requires grad warns (and
+                    # costs 2 us more); a complex loss goes the general way
+                    try:
+                        finite = math.isfinite(scaled.tolist())
+                    except TypeError:
+                        self._note_loss(scaled)
+                    else:
+                        if not finite:
+                            self._loss_bad_on_host = True
             return scaled
+
+        moved: dict[torch.device, torch.Tensor] = {}  # the scale on each device, copied once
 
         def apply_scale(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                return self.scale(value)
+                if self._scale is None:
+                    self._lazy_init_scale_growth_tracker(value.device)
+                assert self._scale is not None
+                if not moved:
+                    moved[self._scale.device] = self._scale
+                scale = moved.get(value.device)
+                if scale is None:
+                    scale = moved[value.device] = self._scale.to(value.device, non_blocking=True)
+                return self._scale_one(value, scale)
             if isinstance(value, Iterable):
                 mapped = map(apply_scale, value)
                 if isinstance(value, (list, tuple)):
@@ -216,64 +447,145 @@ class GradScaler:
 
         return apply_scale(outputs)
 
-    def _loss_found_inf(self, device: torch.device) -> torch.Tensor | None:
-        """1.0 on ``device`` if a scaled loss of this iteration was not finite (no sync)."""
-        if not self._losses:
-            return None
-        flags = [torch.logical_not(torch.isfinite(loss).all()).to(device, non_blocking=True) for loss in self._losses]
-        return torch.stack(flags).any().to(torch.float32)
+    def _scale_one(self, outputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scaled = self._multiply(outputs, scale)
+        if self._check_loss and scaled.requires_grad:
+            self._note_loss(scaled)
+        return scaled
 
-    # -- unscale ----------------------------------------------------------------------------
-    def _unscale_grads_(self, optimizer: Any, inv_scale: Any, allow_fp16: bool = True) -> dict[torch.device, Any]:
-        grads = _grads_of(optimizer)
-        try:
-            found = BACKEND.found_inf_and_unscale(grads, inv_scale)
-        except UncoalescedSparseError:
-            # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
+    def _multiply(self, outputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``outputs * scale`` with torch's promotion (a float32 scale)."""
+        if scale.dtype is not torch.float32:
+            scale = scale.float()  # the float64 presets keep a float64 scale
+        if not (scale.is_cpu and outputs.is_cpu) and scale.device != outputs.device:
+            scale = scale.to(device=outputs.device, non_blocking=True)
+        return outputs * scale
+
+    def _reset_loss_flags(self) -> None:
+        self._loss_bad_on_host = False
+        self._loss_bad: dict[torch.device, torch.Tensor] = {}  # per device, 0-d bool, kept on device
+
+    def _note_loss(self, scaled: torch.Tensor) -> None:
+        """Fold ``scaled`` into this iteration's loss overflow flag (keeps no reference to it)."""
+        if _on_host(scaled):
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None and p.grad.is_sparse and p.grad.dtype is torch.float16:
-                            p.grad = p.grad.coalesce()
-            found = BACKEND.found_inf_and_unscale(_grads_of(optimizer), inv_scale)
-        state = self._require_initialized("unscale_")
-        home = state.scale.device if isinstance(state.scale, torch.Tensor) else torch.device("cpu")
-        if not found:
-            found[home] = torch.zeros((), dtype=torch.float32, device=home)
-        loss_inf = self._loss_found_inf(home) if self._check_loss else None
-        if loss_inf is not None:
-            target = home if home in found else next(iter(found))
-            found[target] = torch.maximum(found[target], loss_inf.to(target, non_blocking=True))
-        if self._process_group is not None:
-            found = {device: self._agree(flag) for device, flag in found.items()}
+                finite = bool(torch.isfinite(scaled).all())
+            if not finite:
+                self._loss_bad_on_host = True
+            return
+        with torch.no_grad():
+            bad = torch.isfinite(scaled).all().logical_not()
+            flag = self._loss_bad.get(scaled.device)
+            if flag is None:
+                self._loss_bad[scaled.device] = bad
+            else:
+                flag.logical_or_(bad)
+
+    def _settle(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+        """Fold the loss flags into an optimizer's fresh ``found_inf`` tensors, then agree on them."""
+        if found and self._check_loss:
+            home = self._scale.device if self._scale is not None else next(iter(found))
+            if self._loss_bad_on_host:
+                target = found.get(torch.device("cpu"), found.get(home, next(iter(found.values()))))
+                target.fill_(1.0)
+            for device, bad in self._loss_bad.items():
+                target = found.get(device, found.get(home, next(iter(found.values()))))
+                torch.maximum(target, bad.to(device=target.device, dtype=target.dtype), out=target)
+        if found:
+            self._agree(found)
         return found
 
-    def _agree(self, found_inf: torch.Tensor) -> torch.Tensor:
+    def _agree(self, found: dict[torch.device, torch.Tensor]) -> None:
+        """Make every rank of ``process_group`` see the same flags (all-reduce MAX, in place)."""
+        if self._process_group is None:
+            return
         import torch.distributed as dist
 
         group = None if self._process_group in (True, "world") else self._process_group
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-        return found_inf
+        for flag in found.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+
+    # -- unscale --------------------------------------------------------------------------------
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale ``optimizer``'s gradients by ``inv_scale`` in place and check them (torch's).
+
+        Returns one flag per device of the gradients, each starting as a copy of ``found_inf``
+        and set to 1.0 if that device's gradients held an inf or nan ({} when there are no
+        gradients). Subclasses may override it, as FSDP's ``ShardedGradScaler`` does: ``unscale_``
+        and ``step`` call it. ``allow_fp16=False`` refuses float16 gradients, as torch does.
+        """
+        return self._unscale_into(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def _unscale_into(
+        self, optimizer: Any, inv_scale: Any, found_inf: torch.Tensor | None, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        grads = _grads_of(optimizer)
+        if not grads:
+            return {}
+        if not allow_fp16 and any(g.dtype is torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        try:
+            return BACKEND.found_inf_and_unscale(grads, inv_scale, found_inf=found_inf)
+        except UncoalescedSparseError:
+            # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
+            self._coalesce_half_sparse(optimizer)
+            return BACKEND.found_inf_and_unscale(_grads_of(optimizer), inv_scale, found_inf=found_inf)
+
+    @staticmethod
+    def _coalesce_half_sparse(optimizer: Any) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.is_sparse and p.grad.dtype is torch.float16:
+                        p.grad = p.grad.coalesce()
+
+    def _inverse_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """torch's ``1 / scale``: reciprocal in float64, then float32 (a cached constant on the CPU)."""
+        if _on_host(scale):
+            return BACKEND.constant(BACKEND.inverse_scale(self._scale_view.read(scale)), scale.device)
+        inverse: torch.Tensor = BACKEND.inverse_scale(scale)
+        return inverse
+
+    def _new_found(self, optimizer: Any, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """Unscale (or check, with ``inv_scale`` 1) through ``_unscale_grads_``, as torch does."""
+        scale = self._scale
+        assert scale is not None
+        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
+            # not overridden: let the backend make the zero flags (torch makes one and copies it)
+            return self._settle(self._unscale_into(optimizer, inv_scale, None))
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        return self._settle(self._unscale_grads_(optimizer, inv_scale, found_inf, True))
 
     def unscale_(self, optimizer: Any) -> None:
         """Unscale ``optimizer``'s gradients in place and record whether they overflowed.
 
         Optional, as in torch: use it to clip or inspect unscaled gradients before ``step``.
-        Calling it twice before ``update`` raises, as in torch. Does not sync.
+        Calling it twice before ``update`` raises, as in torch. Does not sync. float16
+        gradients are accepted.
         """
         if not self._enabled:
             return
-        state = self._require_initialized("unscale_")
-        optimizer_state = self._state_for(optimizer)
+        scale = self._scale
+        if scale is None or self._growth_tracker is None:
+            self._missing_state("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = BACKEND.inverse_scale(state.scale)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
+        optimizer_state["found_inf_per_device"] = self._new_found(optimizer, self._inverse_scale(scale))
         optimizer_state["stage"] = OptState.UNSCALED
 
-    # -- step -------------------------------------------------------------------------------
+    def _check_inf_per_device(self, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+        """Check ``optimizer``'s gradients without unscaling them, and record the flags (torch's)."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        found = self._new_found(optimizer, BACKEND.constant(1.0, scale.device))
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
+
+    # -- step -----------------------------------------------------------------------------------
     @staticmethod
     def _sum_found(found: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
         if len(found) == 1:
@@ -287,231 +599,287 @@ class GradScaler:
         assert total is not None
         return total
 
+    def _maybe_opt_step(self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``optimizer.step()`` unless this optimizer's gradients overflowed (torch's; reads the flags)."""
+        found = optimizer_state["found_inf_per_device"]
+        if len(found) == 1:
+            (flag,) = found.values()
+            applied = not flag.item()
+        else:
+            applied = not sum(v.item() for v in found.values())
+        self._step_applied = applied
+        return optimizer.step(*args, **kwargs) if applied else None
+
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> StepResult:
         """Unscale (if not done yet) and call ``optimizer.step()`` unless the step overflowed.
 
         Returns a :class:`StepResult`; ``torch.amp.GradScaler.step`` returns what
-        ``optimizer.step()`` returns, found here in ``.retval``. With an optimizer that unscales
-        in its own fused kernel (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``), the
-        scale and the flag are handed to it as tensors (``grad_scale``, ``found_inf``) and the
-        host reads nothing; otherwise the skip decision reads the flag, as torch does.
+        ``optimizer.step()`` returns, found here in ``.retval``. An optimizer with
+        ``_step_supports_amp_scaling`` (``Adam(fused=True)``, ...) is handed the scale and the
+        flag as tensors (``grad_scale``, ``found_inf``) and the host reads nothing; if its
+        ``step`` takes a ``grad_scaler`` keyword it gets this scaler instead (with torch's
+        ``FutureWarning``) and does everything itself. Otherwise the skip decision reads the
+        flag, as torch's does.
         """
         if not self._enabled:
-            retval = optimizer.step(*args, **kwargs)
-            return StepResult(True, retval, torch.zeros(()))
+            return StepResult(True, optimizer.step(*args, **kwargs), _NO_OVERFLOW)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        state = self._require_initialized("step")
-        optimizer_state = self._state_for(optimizer)
+        scale = self._scale
+        if scale is None or self._growth_tracker is None:
+            self._missing_state("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        home = state.scale.device if isinstance(state.scale, torch.Tensor) else torch.device("cpu")
-
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if optimizer_state["stage"] is OptState.READY:
-                optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, None)
-            scale = self._scale_tensor(home)
-            found_inf = self._sum_found(optimizer_state["found_inf_per_device"], home)
-            # Keep a scale the user set on the optimizer: multiply it in (as torch does).
-            optimizer.grad_scale = (
-                getattr(optimizer, "grad_scale", None)
-                if optimizer_state["stage"] is OptState.UNSCALED
-                else scale * getattr(optimizer, "grad_scale", 1)
-            )
-            optimizer.found_inf = found_inf
-            retval = optimizer.step(*args, **kwargs)
-            optimizer_state["stage"] = OptState.STEPPED
-            del optimizer.grad_scale
-            del optimizer.found_inf
-            return StepResult(found_inf == 0, retval, found_inf)
-
+            return self._step_amp_aware(optimizer, optimizer_state, scale, args, kwargs)
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if len(optimizer_state["found_inf_per_device"]) == 0:
+        found = optimizer_state["found_inf_per_device"]
+        if len(found) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        found_inf = self._sum_found(optimizer_state["found_inf_per_device"], home)
-        retval = None
-        applied = not bool(found_inf)  # torch reads the flag here too (a sync on GPUs)
-        if applied:
-            retval = optimizer.step(*args, **kwargs)
+        self._step_applied = None
+        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        found_inf = self._sum_found(found, scale.device)
+        applied: bool | torch.Tensor = self._step_applied
+        if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
+            applied = found_inf == 0
         optimizer_state["stage"] = OptState.STEPPED
         return StepResult(applied, retval, found_inf)
 
-    # -- update -----------------------------------------------------------------------------
+    def _step_amp_aware(
+        self, optimizer: Any, optimizer_state: dict[str, Any], scale: torch.Tensor, args: Any, kwargs: dict[str, Any]
+    ) -> StepResult:
+        """``step`` for an optimizer that handles scaling itself (torch's two protocols)."""
+        if _step_takes_grad_scaler(optimizer.step):
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            kwargs.update({"grad_scaler": self})
+            retval = optimizer.step(*args, **kwargs)
+            optimizer_state["stage"] = OptState.STEPPED
+            found = optimizer_state["found_inf_per_device"]  # whatever the optimizer recorded
+            if not found:
+                return StepResult(True, retval, _NO_OVERFLOW)
+            found_inf = self._sum_found(found, scale.device)
+            return StepResult(found_inf == 0, retval, found_inf)
+        if optimizer_state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        found_inf = self._sum_found(optimizer_state["found_inf_per_device"], scale.device)
+        grad_scale = self._get_scale_async()
+        if grad_scale.dtype is not torch.float32:
+            grad_scale = grad_scale.float()
+        # Keep a scale the user set on the optimizer: multiply it in (as torch does).
+        optimizer.grad_scale = (
+            getattr(optimizer, "grad_scale", None)
+            if optimizer_state["stage"] is OptState.UNSCALED
+            else grad_scale * getattr(optimizer, "grad_scale", 1)
+        )
+        optimizer.found_inf = found_inf
+        retval = optimizer.step(*args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        del optimizer.grad_scale
+        del optimizer.found_inf
+        return StepResult(found_inf == 0, retval, found_inf)
+
+    # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow flags (or set it to ``new_scale``).
 
         Like torch: backs off once if any optimizer overflowed, grows after ``growth_interval``
-        finite iterations, and ``new_scale`` replaces the scale without touching the growth
-        tracker. Raises :class:`ampscale.ScaleAtFloorError` when the preset's ``on_floor`` says
-        so. Does not sync (except for an ``on_floor`` reaction, which reads one flag).
+        finite iterations, and ``new_scale`` fills the scale in place without touching the
+        growth tracker. Raises :class:`ampscale.ScaleAtFloorError` when the preset's
+        ``on_floor`` says so (after the step is recorded, so the loop can go on). Does not sync
+        (except for an ``on_floor`` reaction, which reads one flag).
         """
         if not self._enabled:
             return
-        state = self._require_initialized("update")
+        scale, tracker = self._scale, self._growth_tracker
+        if scale is None or tracker is None:
+            self._missing_state("update")
+        floor_values: ScalerState | None = None
         if new_scale is not None:
-            self._set_scale(state, new_scale)
-        else:
-            home = state.scale.device if isinstance(state.scale, torch.Tensor) else torch.device("cpu")
-            found_infs = [
-                flag if flag.device == home else flag.to(home, non_blocking=True)
-                for opt_state in self._per_optimizer_states.values()
-                for flag in opt_state["found_inf_per_device"].values()
-            ]
-            if len(found_infs) == 0:
+            self._fill_scale(scale, new_scale)
+        elif scale.is_cpu and not _DEVICE_PATH_EVERYWHERE:
+            # the host transition, inline (it runs on every step): the flags and the state read
+            # as Python numbers, the tensors written through their NumPy views
+            total, flags = 0.0, 0
+            for state in self._per_optimizer_states.values():
+                for flag in state["found_inf_per_device"].values():
+                    total += flag.item()  # torch sums the flags too
+                    flags += 1
+            if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            combined = found_infs[0]
-            for flag in found_infs[1:]:
-                combined = combined + flag
-            loss_inf = self._loss_found_inf(home) if self._check_loss else None
-            loss_finite = None if loss_inf is None else loss_inf == 0
-            if loss_inf is not None:
-                combined = torch.maximum(combined, loss_inf)
-            if BACKEND.host(state):
-                finite: Any = not bool(combined)  # host memory: a plain read, no device involved
-            else:
-                finite = combined == 0
-            self._scaler = self._scaler._update(BACKEND, finite, loss_finite)
-        self._per_optimizer_states.clear()
-        if self._losses:
-            self._losses = []
+            loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
+            config = self._config
+            ops = self._host_ops
+            if ops is None or ops.config is not config:
+                ops = self._host_ops = config._cache.get("host") or HostOps(config)
+                config._cache["host"] = ops
+            scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
+            old_scale = scale.item() if scale_array is None else scale_array.item()
+            old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
+            # a plain tuple: the compiled transition unpacks any sequence of the fields
+            new, floor_event = ops.run((old_scale, old_tracker, *self._rest), not total, loss_ok)  # type: ignore[arg-type, misc]
+            if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
+                self._scale_view.write(scale, new.scale)
+            if new.growth_tracker != old_tracker:
+                if tracker_array is None:
+                    tracker.fill_(new.growth_tracker)
+                else:
+                    tracker_array[...] = new.growth_tracker
+            self._rest = new[2:]
+            if floor_event and config.on_floor != "ignore":
+                floor_values = new
+        else:
+            floor_values = self._update_on_device(scale, tracker)
+        # a new dict, as torch: references to the old one (and its flags) stay intact
+        self._per_optimizer_states = defaultdict(_fresh_state)
+        if self._loss_bad_on_host or self._loss_bad:
+            self._reset_loss_flags()
+        if floor_values is not None:
+            self._react_to_floor(floor_values)
 
-    def _set_scale(self, state: ScalerState, new_scale: float | torch.Tensor) -> None:
+    def _found_infs(self) -> list[torch.Tensor]:
+        found_infs = [
+            flag for state in self._per_optimizer_states.values() for flag in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        return found_infs
+
+    def _update_on_device(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
+        home = scale.device
+        combined: torch.Tensor | None = None
+        for flag in self._found_infs():
+            moved = flag.to(device=home, non_blocking=True)
+            combined = moved if combined is None else combined + moved  # torch adds in place
+        assert combined is not None
+        loss_finite: Any = None
+        if self._loss_bad_on_host or self._loss_bad:
+            loss_finite = torch.tensor(not self._loss_bad_on_host, device=home)
+            for bad in self._loss_bad.values():
+                loss_finite = loss_finite & bad.to(home, non_blocking=True).logical_not()
+        config = self._config
+        assert self._rest is not None
+        state = ScalerState(scale, tracker, *self._rest)
+        ops = BACKEND.ops(config, state)
+        # the generic tensor transition: torch's two tensors stay the ones updated in place (the
+        # backend's packed one-launch record would hold the state in a buffer of its own)
+        new, _, floor_event = Backend.run_transition(BACKEND, config, state, combined == 0, loss_finite, ops)
+        scale.copy_(new.scale)  # in place, as torch's kernel: held references see the new scale
+        tracker.copy_(new.growth_tracker)
+        self._rest = tuple(new[2:])
+        if config.on_floor != "ignore" and bool(floor_event):  # the documented host read
+            return BACKEND.read_state(new)
+        return None
+
+    def _react_to_floor(self, values: ScalerState) -> None:
+        Scaler(self._config)._react_to_floor(values)
+
+    def _fill_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+        """torch's ``update(new_scale)``: the scale filled in place, the tracker kept."""
         if isinstance(new_scale, torch.Tensor):
             reason = (
                 "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                 "torch.FloatTensor with requires_grad=False."
             )
-            if new_scale.numel() != 1 or new_scale.requires_grad:
+            if new_scale.device.type != self._device:
                 raise AssertionError(reason)
-        if isinstance(state.scale, torch.Tensor):
-            value = (
-                new_scale.to(state.scale)
-                if isinstance(new_scale, torch.Tensor)
-                else torch.full_like(state.scale, float(new_scale))
-            )
-            new_state = state._replace(scale=value.reshape(()).clone())
+            if new_scale.numel() != 1:
+                raise AssertionError(reason)
+            if new_scale.requires_grad is True:
+                raise AssertionError(reason)
+            scale.copy_(new_scale.reshape(scale.shape))
         else:
-            value_f = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
-            new_state = state._replace(scale=float(torch.tensor(value_f, dtype=torch.float32)))
-        self._scaler = Scaler(self._scaler.config, new_state, BACKEND)
+            scale.fill_(float(new_scale))  # ints too (torch takes floats and tensors only)
 
-    # -- getters and setters ------------------------------------------------------------------
-    def get_scale(self) -> float:
-        """The scale as a Python float (1.0 if disabled): an explicit host read."""
-        if not self._enabled:
-            return 1.0
-        return self._scaler.get_scale()
-
-    def get_growth_factor(self) -> float:
-        return float(self._setting("growth_factor"))
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._replace_setting("growth_factor", new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return float(self._setting("backoff_factor"))
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._replace_setting("backoff_factor", new_factor)
-
-    def get_growth_interval(self) -> int:
-        return int(self._setting("growth_interval"))
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._replace_setting("growth_interval", new_interval)
-
-    def _setting(self, name: str) -> Any:
-        if self._enabled:
-            return getattr(self.config, name)
-        # torch keeps no settings when disabled: only what a setter stored since
-        if name not in self._disabled_settings:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_{name}'")
-        return self._disabled_settings[name]
-
-    def _replace_setting(self, name: str, value: Any) -> None:
-        if not self._enabled:  # as torch: stored, unchecked and unused
-            self._disabled_settings[name] = value
-            return
-        try:
-            self._scaler = self._scaler.replace(**{name: value})
-        except ValueError as exc:
-            raise SettingError(str(exc)) from None
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return int(self._values().growth_tracker)
-
-    def is_enabled(self) -> bool:
-        """Whether scaling is enabled."""
-        return self._enabled
-
-    def _values(self) -> ScalerState:
-        scaler = self._scaler
-        if isinstance(scaler, _PendingScaler):
-            return scaler._values
-        if scaler._state is None:
-            return initial_values(scaler.config)
-        return BACKEND.read_state(scaler._state)
-
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys (``{}`` when disabled), plus an ``"ampscale"`` entry when the
         settings use what torch lacks (another preset, hysteresis, a floor or ceiling, ...)."""
         if not self._enabled:
             return {}
-        full = to_state_dict(self.config, self._values())
-        torch_keys = {
-            k: full[k] for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        out = {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
         }
-        if not _torch_compatible(self.config):
-            torch_keys["ampscale"] = full["ampscale"]
-        return torch_keys
+        if not _torch_compatible(self._config):
+            out["ampscale"] = to_state_dict(self._config, self._host_values())["ampscale"]
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from this class, from ``torch.amp.GradScaler`` or from an ampscale scaler."""
+        """Load a dict from this class, from ``torch.amp.GradScaler`` or from an ampscale scaler.
+
+        The dict is checked first: a bad one raises ``ampscale.StateDictError`` (a
+        ``ValueError``) naming the key, and changes nothing.
+        """
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
-        config, values = from_state_dict(state_dict, self.config)
-        current = self._scaler._state
-        if current is None:
-            self._scaler = _PendingScaler(config, values, BACKEND)
-        else:
-            like = current.scale if isinstance(current.scale, torch.Tensor) else None
-            self._scaler = Scaler(config, BACKEND.make_state(values, config, like), BACKEND)
+        checked = state_dict
+        interval = state_dict.get("growth_interval")
+        if "ampscale" not in state_dict and isinstance(interval, int) and not isinstance(interval, bool):
+            mapped = self._config_value("growth_interval", interval, 1 - self._config.interval_offset)
+            if mapped != interval:
+                checked = {**state_dict, "growth_interval": mapped}
+        config, values = from_state_dict(checked, self._config)
+        self._config = config
+        self._preset = config.preset
+        self._init_scale = values.scale
+        self._set_given(
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+        )
+        self._init_growth_tracker = values.growth_tracker
+        self._init_rest = tuple(values[2:])
+        if self._scale is not None and self._growth_tracker is not None:
+            self._scale.fill_(values.scale)
+            self._growth_tracker.fill_(values.growth_tracker)
+            self._rest = self._init_rest if _on_host(self._scale) else self._device_rest(values, config)
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._enabled and len(self._per_optimizer_states) != 0:
-            raise AssertionError(
-                "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after "
-                "scaler.update()."
-            )
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_per_optimizer_states", "_scaler", "_losses")}
-        state["_saved"] = self.state_dict() if self._enabled else None
-        state["_config"] = self.config if self._enabled else None
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end "
+                    "after scaler.update()."
+                )
+            # as torch: the copy re-creates its tensors lazily from these values
+            values = self._host_values()
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_rest"] = tuple(values[2:])
+            state["_scale"] = None
+            state["_growth_tracker"] = None
+            state["_rest"] = None
+            state["_scale_view"], state["_tracker_view"] = _HostView(), _HostView()
+            state["_host_ops"] = None
+            state["_plain_scale"] = _UNCHECKED
+            state["_loss_bad_on_host"] = False
+            state["_loss_bad"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        saved, config = state.pop("_saved"), state.pop("_config")
-        self.__dict__.update(state)
-        self._per_optimizer_states = weakref.WeakKeyDictionary()
-        self._losses = []
-        if config is not None:
-            pending = _PendingScaler(config, initial_values(config), BACKEND)
-            self._scaler = pending.load_state_dict(saved)
 
     def __repr__(self) -> str:
         if not self._enabled:
             return "GradScaler(enabled=False)"
-        c = self.config
+        c = self._config
         return (
-            f"GradScaler(device={self._device!r}, preset={c.preset!r}, scale={self.get_scale()!r}, "
-            f"growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}, growth_interval={c.growth_interval})"
+            f"{type(self).__name__}(device={self._device!r}, preset={c.preset!r}, scale={self.get_scale()!r}, "
+            f"growth_factor={self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
+            f"growth_interval={self._growth_interval!r})"
         )
 
 
@@ -527,3 +895,12 @@ def _torch_compatible(config: ScalerConfig) -> bool:
     ignore = {"init_scale", "on_floor", "floor_patience"}
     ours, theirs = config.settings(), reference.settings()
     return config.preset == "torch" and all(ours[k] == theirs[k] for k in ours if k not in ignore)
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP's scaler needs torch.distributed.fsdp (about 2 s to import): load it when asked for
+    if name == "ShardedGradScaler":
+        from ampscale._torch_sharded import ShardedGradScaler
+
+        return ShardedGradScaler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

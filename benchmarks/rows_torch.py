@@ -2,11 +2,13 @@
 
 Rows: ampscale's functional API on torch tensors, ``ampscale.torch.GradScaler`` (unscale_ +
 step + update with a no-op optimizer), and the anchors: torch's fused kernel alone,
-``torch.amp.GradScaler`` doing the same three calls, and a naive per-tensor loop.
+``torch.amp.GradScaler`` doing the same three calls, and a naive per-tensor loop. Workload
+``N``: one row per call of each ``GradScaler`` (see :func:`per_call_cases`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -39,7 +41,59 @@ def _with_grads(grads: list[torch.Tensor]) -> NoOpOptimizer:
     return NoOpOptimizer(params)
 
 
+#: scale() calls per iteration in the per-call rows (nanoGPT's gradient accumulation on 8 GPUs)
+MICRO_STEPS = 40
+CALLS = ("scale", "unscale_", "step", "update")
+
+
+def per_call_cases(workload: str) -> list[Case]:
+    """One row per call and class: a whole nanoGPT-style iteration runs, one kind of call is timed.
+
+    Each iteration scales 40 losses (0-d, requiring grad, as a real loss does), then calls
+    ``unscale_``, ``step`` (a no-op optimizer, so only the scaler is timed) and ``update``; the
+    row's step returns the seconds spent in its kind of call, per call. Both classes run the
+    same iterations on the same gradients, with the scales alternating as in the other rows.
+    """
+    grads = _tensors(workload)
+    loss = torch.ones((), requires_grad=True)
+    out: list[Case] = []
+    for label, cls, anchor in (
+        ("ampscale.torch.GradScaler", amp_torch.GradScaler, False),
+        ("torch.amp.GradScaler", torch.amp.GradScaler, True),
+    ):
+        opt = _with_grads(grads)
+        for call in CALLS:
+            scalers = [cls("cpu", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+            def iteration(i: int, scalers: list[Any] = scalers, opt: NoOpOptimizer = opt, call: str = call) -> float:
+                scaler = scalers[i % 2]
+                clock = time.perf_counter
+                start = clock()
+                for _ in range(MICRO_STEPS):
+                    scaler.scale(loss)
+                scaled = clock() - start
+                start = clock()
+                scaler.unscale_(opt)
+                unscaled = clock() - start
+                start = clock()
+                scaler.step(opt)
+                stepped = clock() - start
+                start = clock()
+                scaler.update()
+                updated = clock() - start
+                return {"scale": scaled / MICRO_STEPS, "unscale_": unscaled, "step": stepped, "update": updated}[call]
+
+            moved = 2 * nbytes(grads) if call == "unscale_" else 0
+            out.append(
+                Case("torch", workload, f"{label}.{call}", iteration, moved, anchor=anchor, group=call, timed=True)
+            )
+            out[-1].note = "per call" if call != "scale" else f"per call ({MICRO_STEPS} per iteration)"
+    return out
+
+
 def cases(workload: str) -> list[Case]:
+    if workload == "N":
+        return per_call_cases(workload)
     out: list[Case] = []
     dtype = WORKLOADS[workload][1]
 

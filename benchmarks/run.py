@@ -13,6 +13,10 @@ and to the best anchor installed, all measured in the same run:
 * **W0**: one array of 1024 float32 values (the fixed per-step cost, full step);
   **W1**: GPT-2 small's 148 parameter shapes (124.4 M float32 values); **W1h**: the same in
   float16; **W2**: 2000 arrays of 4096 float32 values.
+* **N** (torch only): the cost of each call of a ``GradScaler`` (``scale``, ``unscale_``,
+  ``step``, ``update``) in a nanoGPT-style iteration (40 micro-steps, each one ``scale()``,
+  then ``unscale_``, ``step`` and ``update``) over a small GPT's 52 parameters; each row times
+  one kind of call, per call, against ``torch.amp.GradScaler``'s same call.
 * Anchors: naive NumPy (``isfinite().all()`` + multiply per array), torch's fused kernel
   ``_amp_foreach_non_finite_check_and_unscale_``, ``torch.amp.GradScaler`` (unscale_ + step +
   update with a no-op optimizer), jmp (jitted ``unscale`` + ``all_finite`` + ``adjust``), and a
@@ -60,12 +64,24 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
+def nanogpt_shapes() -> list[tuple[int, ...]]:
+    """The 52 parameter shapes of a small nanoGPT (4 layers, width 64, vocabulary 65; 0.2 M values)."""
+    d, vocab, ctx, layers = 64, 65, 64, 4
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return [*shapes, (d,), (d,)]
+
+
 WORKLOADS: dict[str, tuple[list[tuple[int, ...]], str]] = {
     "W0": ([(1024,)], "float32"),
     "W1": (gpt2_small_shapes(), "float32"),
     "W1h": (gpt2_small_shapes(), "float16"),
     "W2": ([(4096,)] * 2000, "float32"),
+    "N": (nanogpt_shapes(), "float32"),
 }
+#: workloads that time single calls of a stateful scaler: only these providers have rows for them
+PER_CALL_WORKLOADS = {"N": ("torch",)}
 
 
 def make_arrays(workload: str, seed: int = 0) -> list[np.ndarray]:
@@ -92,6 +108,8 @@ class Case:
     device: str = "cpu"
     limit: bool = False  # this case is L for its device
     sync: Callable[[], None] = lambda: None
+    group: str = ""  # compared with the anchors of its own group only (per-call rows: the call)
+    timed: bool = False  # step returns the seconds of the part it stands for (per-call rows)
 
 
 @dataclasses.dataclass
@@ -107,6 +125,7 @@ class Result:
     limit: bool = False
     launches: float | None = None  # kernel launches (and copies) per step, GPU rows
     host_us: float | None = None  # host microseconds per step without waiting for the GPU
+    group: str = ""  # compared with the anchors of its own group only (per-call rows: the call)
 
     @property
     def gbps(self) -> float:
@@ -120,6 +139,8 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
         return {"steps": 300 if quick else 500, "rounds": 5 if quick else 41}
     if workload == "W2":
         return {"steps": 6 if quick else 10, "rounds": 5 if quick else 41}
+    if workload in PER_CALL_WORKLOADS:  # one step is a whole iteration (40 scale() calls)
+        return {"steps": 10 if quick else 20, "rounds": 5 if quick else 41}
     # an even number of steps: the scales alternate (x/16, x*16), so every round starts from
     # the same values (an odd count would shrink them 16x a round, into subnormals in float16)
     # many rounds: on a shared machine single rounds of W1 vary by +-15%, more than some of
@@ -156,11 +177,14 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
             # even number) undoes its scale: every run leaves the data where it found it.
             case.step(1)
             case.sync()
-            start = time.perf_counter()
-            for i in range(steps):
-                case.step(i)
-            case.sync()
-            elapsed = (time.perf_counter() - start) / steps
+            if case.timed:  # the step times the part it stands for
+                elapsed = sum(case.step(i) for i in range(steps)) / steps
+            else:
+                start = time.perf_counter()
+                for i in range(steps):
+                    case.step(i)
+                case.sync()
+                elapsed = (time.perf_counter() - start) / steps
             case.step(0)
             case.sync()
             gc.enable()
@@ -184,6 +208,7 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
                 c.limit,
                 launches,
                 host_us,
+                c.group,
             )
         )
     return results
@@ -404,7 +429,9 @@ def report(results: list[Result], as_markdown: bool) -> str:
         limit = next((x for x in results if x.limit and x.workload == r.workload and x.device == r.device), None)
         if r.limit and r.device == "gpu" and r is not limit:
             continue  # several backends may each measure the GPU's L: keep the first
-        anchors = [a for a in results if a.anchor and a.workload == r.workload and a.device == r.device]
+        anchors = [
+            a for a in results if a.anchor and a.workload == r.workload and a.device == r.device and a.group == r.group
+        ]
         best = min((a.seconds for a in anchors), default=None)
         ratio_a = f"{best / r.seconds:.2f}" if best else "-"
         ms = r.seconds * 1e3
@@ -441,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backends", default=",".join(ROW_PROVIDERS), help="comma-separated (default: all installed: %(default)s)"
     )
-    parser.add_argument("--workloads", default="W0,W1,W1h,W2", help="comma-separated (default: %(default)s)")
+    parser.add_argument("--workloads", default="W0,W1,W1h,W2,N", help="comma-separated (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (noisier)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
@@ -464,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         cases = [limit_case(workload)]
         for backend in backends:
-            cases += ROW_PROVIDERS[backend](workload)
+            if backend in PER_CALL_WORKLOADS.get(workload, (backend,)):
+                cases += ROW_PROVIDERS[backend](workload)
         if any(c.device == "gpu" for c in cases):
             limit = gpu_limit(workload)
             if limit is not None:

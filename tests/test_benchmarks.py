@@ -76,3 +76,21 @@ def test_shared_data_keeps_its_magnitude_through_a_measurement() -> None:
     assert max(seen) <= 16
     assert shared == [1.0]
     assert other == [1.0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the per-call rows are torch's")
+def test_per_call_rows_compare_each_call_with_torchs(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "calls.json"
+    command = [sys.executable, str(RUN), "--quick", "--workloads", "N", "--backends", "numpy,torch", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [row for row in json.loads(out.read_text()) if row["backend"] == "torch"]
+    assert {row["backend"] for row in json.loads(out.read_text())} == {"limit", "torch"}  # numpy has no N rows
+    for call in ("scale", "unscale_", "step", "update"):
+        group = [row for row in rows if row["group"] == call]
+        assert sorted(row["name"] for row in group) == [
+            f"ampscale.torch.GradScaler.{call}",
+            f"torch.amp.GradScaler.{call}",
+        ]
+        assert [row["anchor"] for row in group if row["name"].startswith("torch")] == [True]
+        assert all(math.isfinite(row["seconds"]) and 0 < row["seconds"] < 0.1 for row in group)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import tempfile
 
 import pytest
 
@@ -45,19 +44,28 @@ def train_step(model, optimizer, scaler, x, y, inject: bool):
     scaler.update()
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+SIDE_BY_SIDE = [
+    ({"growth_interval": 1}, {0, 1, 5}),
+    ({"growth_interval": 2}, {3, 4, 9, 17}),
+    ({"growth_interval": 3, "init_scale": 2.0**10}, {7}),
+    ({"growth_interval": 7, "growth_factor": 1.5, "backoff_factor": 0.75}, {2, 11, 12, 13}),
+    ({"growth_interval": 1, "init_scale": 2.0**125}, set()),  # growth reaches the float32 ceiling
+    ({"growth_interval": 5, "growth_factor": 1.1, "backoff_factor": 0.3}, {1, 8}),
+]
+# the device path on a few of them (the same transition, so fewer cases suffice)
+DEVICE_SIDE_BY_SIDE = [(o, *SIDE_BY_SIDE[k], "device") for o in ("sgd", "adam-fused") for k in (1, 3, 4)]
+
+
 @pytest.mark.parametrize(
-    ("settings", "inject_at"),
-    [
-        ({"growth_interval": 1}, {0, 1, 5}),
-        ({"growth_interval": 2}, {3, 4, 9, 17}),
-        ({"growth_interval": 3, "init_scale": 2.0**10}, {7}),
-        ({"growth_interval": 7, "growth_factor": 1.5, "backoff_factor": 0.75}, {2, 11, 12, 13}),
-        ({"growth_interval": 1, "init_scale": 2.0**125}, set()),  # growth reaches the float32 ceiling
-        ({"growth_interval": 5, "growth_factor": 1.1, "backoff_factor": 0.3}, {1, 8}),
-    ],
+    ("optimizer", "settings", "inject_at", "state"),
+    [(o, *case, "host") for o in sorted(OPTIMIZERS) for case in SIDE_BY_SIDE] + DEVICE_SIDE_BY_SIDE,
 )
-def test_side_by_side_with_torch_grad_scaler(optimizer: str, settings: dict, inject_at: set) -> None:
+def test_side_by_side_with_torch_grad_scaler(
+    monkeypatch, optimizer: str, settings: dict, inject_at: set, state: str
+) -> None:
+    """``state="device"`` runs the accelerator path (0-d tensor state, tensor transition) on CPU tensors."""
+    if state == "device":
+        monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
     ours_model, torch_model = make_model(), make_model()
     ours_opt, torch_opt = (
         OPTIMIZERS[optimizer](ours_model.parameters()),
@@ -266,7 +274,7 @@ def test_call_order_errors_match_torch() -> None:
 
 
 def test_bad_settings_raise_value_and_assertion_errors() -> None:
-    for kwargs in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"growth_interval": 0}):
+    for kwargs in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"growth_interval": 2.5}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             amp_torch.GradScaler("cpu", **kwargs)
         with pytest.raises(AssertionError):
@@ -311,16 +319,11 @@ def test_what_torch_lacks_presets_floors_hysteresis() -> None:
 
 def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
     """With device-resident state (as on a GPU), a fused step and update never read a value."""
+    monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)  # the device path, on CPU tensors
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     scaler = amp_torch.GradScaler("cpu", growth_interval=2)
     x, y = batches(1)[0]
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y))  # initialise, then move state to tensors
-    config = scaler.config
-    values = torch_backend.BACKEND.read_state(scaler.scaler._state)
-    tensor_state = ampscale.backends._base.Backend.make_state(torch_backend.BACKEND, values, config, torch.empty(()))
-    scaler._scaler = ampscale.Scaler(config, tensor_state, torch_backend.BACKEND)
-    scaler._losses = []
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host read of a tensor")
@@ -328,50 +331,20 @@ def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     for step in range(4):
         opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        if step == 1:
-            model[0].bias.grad[0] = float("inf")
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "item", forbidden)
             m.setattr(torch.Tensor, "__bool__", forbidden)
             m.setattr(torch.Tensor, "__float__", forbidden)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if step == 1:
+                model[0].bias.grad[0] = float("inf")
             result = scaler.step(opt)
             scaler.update()
         assert isinstance(result.applied, torch.Tensor)
+        assert isinstance(scaler._rest[0], torch.Tensor)  # ampscale's counters are tensors too
     assert scaler.get_scale() == 2.0**15 * 2  # one backoff, then growth after two finite steps
+    assert scaler.scaler.get_stats()["skipped_steps"] == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
-
-
-def _distributed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = amp_torch.GradScaler("cpu", process_group="world", growth_interval=2)
-    x, y = batches(1)[0]
-    before = [p.detach().clone() for p in model.parameters()]
-    opt.zero_grad()
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    if rank == 0:
-        model[0].weight.grad[0, 0] = float("inf")  # only rank 0 overflows
-    applied = bool(scaler.step(opt).applied)
-    scaler.update()
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
-    torch.save({"applied": applied, "unchanged": unchanged, "scale": scaler.get_scale()}, f"{out_dir}/{rank}.pt")
-    dist.destroy_process_group()
-
-
-def test_distributed_ranks_agree_on_overflow() -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_distributed_worker, args=(2, init_file, tmp), nprocs=2, join=True)
-        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
-    assert [r["applied"] for r in results] == [False, False]
-    assert all(r["unchanged"] for r in results)
-    assert results[0]["scale"] == results[1]["scale"] == 2.0**15
 
 
 def test_functional_api_with_torch_tensors() -> None:
@@ -573,3 +546,316 @@ def test_split_still_works_in_a_forked_child(monkeypatch) -> None:
     child.join(120)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == (True, 300 * 100.0)
+
+
+# ------------------------------------------------------------------------- torch's private surface, on both classes
+
+BOTH = pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, amp_torch.GradScaler], ids=["torch", "ampscale"])
+
+
+def _one_backward(model, scaler, poisoned: bool = False) -> None:
+    x, y = batches(1)[0]
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    if poisoned:
+        model[0].weight.grad[1, 1] = float("inf")
+
+
+@BOTH
+def test_scale_and_growth_tracker_are_tensors_updated_in_place(scaler_class) -> None:
+    scaler = scaler_class("cpu", init_scale=1024.0, growth_interval=2)
+    assert scaler._enabled
+    assert scaler._scale is None
+    assert scaler._growth_tracker is None
+    assert (scaler._init_scale, scaler._init_growth_tracker) == (1024.0, 0)
+    assert (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval) == (2.0, 0.5, 2)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _one_backward(model, scaler)
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    assert (scale.dtype, scale.shape, tracker.dtype, tracker.shape) == (torch.float32, (), torch.int32, ())
+    assert scaler._get_scale_async() is scale
+    seen = []
+    for poisoned in (False, False, True, False):
+        if seen:
+            opt.zero_grad()
+            _one_backward(model, scaler, poisoned)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler._scale is scale  # the same tensors, updated in place
+        assert scaler._growth_tracker is tracker
+        seen.append((scale.item(), tracker.item()))
+    assert seen == [(1024.0, 1), (2048.0, 0), (1024.0, 0), (1024.0, 1)]
+
+
+def _write_the_state_tensors(scaler_class) -> list:
+    scaler = scaler_class("cpu", init_scale=1024.0, growth_interval=3)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _one_backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    scaler._scale.fill_(8.0)  # in place
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert scaler.scale(loss).item() == 24.0
+    scaler._growth_tracker.fill_(2)  # one finite step from growing
+    opt.zero_grad()
+    _one_backward(model, scaler)
+    scaler.unscale_(opt)
+    grads = [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler._get_growth_tracker()) == (16.0, 0)
+    scaler._scale = torch.full((), 4.0)  # assigned
+    scaler._growth_tracker = torch.full((), 1, dtype=torch.int32)
+    assert scaler.scale(loss).item() == 12.0
+    opt.zero_grad()
+    _one_backward(model, scaler, poisoned=True)
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler._get_growth_tracker()) == (2.0, 0)
+    assert scaler.state_dict()["scale"] == 2.0
+    scaler._scale.set_(torch.full((), 64.0))  # new memory under the same tensor objects
+    scaler._growth_tracker.set_(torch.full((), 2, dtype=torch.int32))
+    opt.zero_grad()
+    _one_backward(model, scaler)
+    grads += [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler._get_growth_tracker()) == (128.0, 0)
+    return grads
+
+
+def test_writing_the_state_tensors_changes_the_scale() -> None:
+    """In place or by assignment, as code in the wild does; unscaled by the written scale."""
+    ours = _write_the_state_tensors(amp_torch.GradScaler)
+    theirs = _write_the_state_tensors(torch.amp.GradScaler)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@BOTH
+def test_init_values_set_before_the_first_scale_are_used(scaler_class) -> None:
+    scaler = scaler_class("cpu")
+    scaler._init_scale = 512.0
+    scaler._init_growth_tracker = 3
+    assert scaler.get_scale() == 512.0
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert (scaler._scale.item(), scaler._growth_tracker.item()) == (512.0, 3)
+    with pytest.raises(AssertionError, match="_growth_tracker initialized before _scale"):
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert scaler.scale(torch.tensor(2.0)).item() == 1024.0
+
+
+@BOTH
+def test_settings_written_as_attributes_take_effect(scaler_class) -> None:
+    scaler = scaler_class("cpu", init_scale=8.0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler._growth_interval = 1  # as torch's setters do, and code that skips them
+    scaler._growth_factor = 4.0
+    scaler._backoff_factor = 0.25
+    for poisoned, expected in ((False, 32.0), (True, 8.0)):
+        opt.zero_grad()
+        _one_backward(model, scaler, poisoned)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == expected
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4.0, 0.25, 1)
+
+
+def test_settings_written_as_attributes_are_checked() -> None:
+    scaler = amp_torch.GradScaler("cpu")
+    with pytest.raises(ValueError, match="backoff_factor"):
+        scaler._backoff_factor = 0.0
+    assert scaler.get_backoff_factor() == 0.5  # unchanged
+    off = amp_torch.GradScaler("cpu", enabled=False)
+    with pytest.raises(AttributeError, match="_growth_factor"):
+        off._growth_factor  # torch's disabled scaler has no settings
+    off._growth_factor = -1.0  # stored unchecked and unused, as torch's
+    assert off.get_growth_factor() == -1.0
+
+
+@BOTH
+def test_per_optimizer_states_are_keyed_by_id(scaler_class) -> None:
+    from torch.amp.grad_scaler import OptState
+
+    scaler = scaler_class("cpu")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _one_backward(model, scaler)
+    scaler.unscale_(opt)
+    states = scaler._per_optimizer_states
+    assert list(states) == [id(opt)]
+    assert states[id(opt)]["stage"] is OptState.UNSCALED
+    found = scaler._found_inf_per_device(opt)
+    assert found is states[id(opt)]["found_inf_per_device"]
+    assert {device: flag.item() for device, flag in found.items()} == {torch.device("cpu"): 0.0}
+    scaler.step(opt)
+    assert states[id(opt)]["stage"] is OptState.STEPPED
+    scaler.update()
+    assert scaler._per_optimizer_states is not states  # a new dict; the old one is left as it was
+    assert len(scaler._per_optimizer_states) == 0
+    assert states[id(opt)]["stage"] is OptState.STEPPED
+
+
+@BOTH
+def test_flags_changed_in_place_after_unscale_are_honoured(scaler_class) -> None:
+    """What a distributed wrapper does: all-reduce the flags in place between unscale_ and step."""
+    scaler = scaler_class("cpu")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    _one_backward(model, scaler)
+    scaler.unscale_(opt)
+    for flag in scaler._found_inf_per_device(opt).values():
+        flag.fill_(1.0)  # another rank overflowed
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0**15
+
+
+@BOTH
+def test_check_inf_per_device_records_without_unscaling(scaler_class) -> None:
+    scaler = scaler_class("cpu")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _one_backward(model, scaler, poisoned=True)
+    grads = [p.grad.clone() for p in model.parameters()]
+    found = scaler._check_inf_per_device(opt)
+    assert {device: flag.item() for device, flag in found.items()} == {torch.device("cpu"): 1.0}
+    assert scaler._found_inf_per_device(opt) is found
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)  # checked, not unscaled
+
+
+@BOTH
+def test_overridden_unscale_grads_and_maybe_opt_step_are_called(scaler_class) -> None:
+    """FSDP's ShardedGradScaler overrides _unscale_grads_; torch_xla's, _maybe_opt_step."""
+    calls = []
+
+    class Recording(scaler_class):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            calls.append(("unscale", inv_scale.item(), found_inf.item(), allow_fp16))
+            found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            for flag in found.values():
+                flag.fill_(1.0)  # pretend an overflow somewhere else
+            return found
+
+        def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+            calls.append(("maybe_step", sum(v.item() for v in optimizer_state["found_inf_per_device"].values())))
+            return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+    scaler = Recording("cpu", init_scale=4.0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in model.parameters()]
+    _one_backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    # torch's unscale_ refuses float16 gradients (allow_fp16=False); the drop-in accepts them
+    assert calls == [("unscale", 0.25, 0.0, scaler_class is amp_torch.GradScaler), ("maybe_step", 1.0)]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0
+    opt.zero_grad()
+    _one_backward(model, scaler)
+    calls.clear()
+    scaler._check_inf_per_device(opt)
+    assert calls == [("unscale", 1.0, 0.0, True)]
+
+
+# ------------------------------------------------------------------------------ getters and settings as torch's
+
+
+@BOTH
+def test_getters_return_what_was_given(scaler_class) -> None:
+    scaler = scaler_class("cpu", init_scale=1024, growth_factor=16, backoff_factor=0.25, growth_interval=10)
+    got = (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+    assert got == (16, 0.25, 10)
+    assert type(got[0]) is int
+    assert scaler.get_scale() == 1024
+    saved = scaler.state_dict()
+    assert type(saved["growth_factor"]) is int
+    scaler.set_growth_factor(4)
+    assert type(scaler.get_growth_factor()) is int
+    assert scaler.state_dict()["growth_factor"] == 4
+
+
+def test_growth_interval_below_one_never_grows_as_in_torch() -> None:
+    with pytest.warns(ampscale.AmpscaleWarning, match="never grows"):
+        ours = amp_torch.GradScaler("cpu", init_scale=8.0, growth_interval=0)
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=0)
+    models = make_model(), make_model()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    for step, (x, y) in enumerate(batches(5)):
+        for scaler, model, opt in zip((ours, theirs), models, opts, strict=True):
+            train_step(model, opt, scaler, x, y, step == 3)
+        assert ours.get_scale() == theirs.get_scale()
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+        assert ours.state_dict() == theirs.state_dict()
+    assert ours.get_scale() == 4.0
+    assert ours.get_growth_interval() == 0
+    with pytest.warns(ampscale.AmpscaleWarning, match="never grows"):
+        ours.set_growth_interval(-5)
+    assert ours.get_growth_interval() == -5
+    reloaded = amp_torch.GradScaler("cpu")
+    with pytest.warns(ampscale.AmpscaleWarning, match="never grows"):
+        reloaded.load_state_dict(theirs.state_dict())
+    assert reloaded.state_dict() == theirs.state_dict()
+
+
+# ------------------------------------------------------------------------------ the loss check holds nothing
+
+
+def _tensors_held(value, seen=None) -> int:
+    """How many tensors an object's attributes reach (through dicts, lists and tuples)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, dict):
+        return sum(_tensors_held(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensors_held(v, seen) for v in value)
+    return 0
+
+
+def test_the_loss_check_keeps_no_reference() -> None:
+    import weakref
+
+    scaler = amp_torch.GradScaler("cpu")
+    model = make_model()
+    x, y = batches(1)[0]
+    scaled = scaler.scale(torch.nn.functional.mse_loss(model(x), y))
+    held = _tensors_held(vars(scaler))
+    ref = weakref.ref(scaled)
+    del scaled
+    assert ref() is None
+    for _ in range(1000):  # scaled, never differentiated (logging, say)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y))
+    assert _tensors_held(vars(scaler)) == held
+
+
+def test_the_loss_rule_which_scale_calls_count_for_which_step() -> None:
+    """A non-finite scaled output counts for the optimizers unscaled after it, until update();
+    one scaled under no_grad never counts."""
+    a, b = make_model(0), make_model(1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = amp_torch.GradScaler("cpu")
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        scaler.scale(torch.tensor(float("inf")))  # for logging: never counts
+    scaler.scale(torch.nn.functional.mse_loss(a(x), y)).backward()
+    assert scaler.step(opt_a).applied is True  # stepped before the bad loss
+    bad = torch.nn.functional.mse_loss(b(x), y) + torch.tensor(float("inf"))
+    scaler.scale(bad).backward()
+    assert scaler.step(opt_b).applied is False
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15  # one backoff
+    assert scaler.scaler.outcome.to_dict()["reason"] == "loss"
+    for opt, model in ((opt_a, a), (opt_b, b)):  # the next iteration starts clean
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        assert scaler.step(opt).applied is True
+    scaler.update()

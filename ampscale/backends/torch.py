@@ -326,7 +326,11 @@ class TorchBackend(Backend, CudaStep):
 
     # -- the fused hot path -----------------------------------------------------------------
     def found_inf_and_unscale(
-        self, leaves: Sequence[torch.Tensor], inv_scale: Any, scratch: bool = False
+        self,
+        leaves: Sequence[torch.Tensor],
+        inv_scale: Any,
+        scratch: bool = False,
+        found_inf: torch.Tensor | None = None,
     ) -> dict[torch.device, torch.Tensor]:
         """Check and unscale in place; return a float32 ``found_inf`` (0 or 1) per device.
 
@@ -334,7 +338,8 @@ class TorchBackend(Backend, CudaStep):
         Sparse gradients are checked and unscaled through their values (float16 ones must be
         coalesced first, since duplicates may overflow when summed; ``GradScaler`` does it).
         With ``scratch`` the flag tensors are reused per thread (the caller consumes them
-        before the next call).
+        before the next call). ``found_inf``: the flag each device starts from, copied there
+        (as ``torch.amp.GradScaler._unscale_grads_`` does); zeros when ``None``.
         """
         validated = getattr(_scratch, "validated", None)
         _scratch.validated = None
@@ -346,11 +351,11 @@ class TorchBackend(Backend, CudaStep):
         if len(dtypes) == 1 and len(set(map(_GET_DEVICE, leaves))) == 1:
             # The common case, one launch: every gradient on one device with one dtype.
             device, dtype = leaves[0].device, leaves[0].dtype
-            found_inf = self._found_inf(device, scratch)
+            flag = self._found_inf(device, scratch, found_inf)
             try:
                 with _no_grad():
-                    self._check_and_unscale_group(leaves, found_inf, self._inverse_on(inv_scale, device), device, dtype)
-                return {device: found_inf}
+                    self._check_and_unscale_group(leaves, flag, self._inverse_on(inv_scale, device), device, dtype)
+                return {device: flag}
             except NotImplementedError:
                 # sparse gradients: the dispatcher refused the whole call, nothing was touched
                 if not any(leaf.is_sparse for leaf in leaves):
@@ -368,10 +373,10 @@ class TorchBackend(Backend, CudaStep):
         found: dict[torch.device, torch.Tensor] = {}
         with _no_grad():
             for (device, dtype), grads in groups.items():
-                found_inf = found.get(device)
-                if found_inf is None:
-                    found_inf = found[device] = self._found_inf(device, scratch)
-                self._check_and_unscale_group(grads, found_inf, self._inverse_on(inv_scale, device), device, dtype)
+                flag = found.get(device)
+                if flag is None:
+                    flag = found[device] = self._found_inf(device, scratch, found_inf)
+                self._check_and_unscale_group(grads, flag, self._inverse_on(inv_scale, device), device, dtype)
         return found
 
     @staticmethod
@@ -395,7 +400,9 @@ class TorchBackend(Backend, CudaStep):
             return None
         return devices.pop(), leaves[0], None if validated is None else validated[2]
 
-    def _found_inf(self, device: torch.device, scratch: bool) -> torch.Tensor:
+    def _found_inf(self, device: torch.device, scratch: bool, initial: torch.Tensor | None = None) -> torch.Tensor:
+        if initial is not None:
+            return initial.to(device, copy=True)
         if not scratch:
             return torch.zeros((), dtype=torch.float32, device=device)
         buffers = getattr(_scratch, "buffers", None)
