@@ -174,6 +174,19 @@ def test_step_then_update_uses_the_precomputed_state(framework: str) -> None:
         scaler = nxt
 
 
+def _float16_grad_scaler() -> type:
+    import torch
+
+    class Float16GradScaler(torch.amp.GradScaler):
+        """torch's GradScaler with its own kernel allowed on float16 gradients (``unscale_`` refuses
+        them, but ``_unscale_grads_`` takes ``allow_fp16``): the reference for float16 bits."""
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    return Float16GradScaler
+
+
 @needs_torch
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_gradients_bit_for_bit_against_grad_scaler(dtype: str) -> None:
@@ -188,7 +201,7 @@ def test_gradients_bit_for_bit_against_grad_scaler(dtype: str) -> None:
     twin = copy.deepcopy(model)
     view = torch.int16 if dtype == "float16" else torch.int32
     ours = ampscale.torch.GradScaler("cuda", init_scale=2.0**14, growth_interval=3)
-    theirs = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=3)
+    theirs = _float16_grad_scaler()("cuda", init_scale=2.0**14, growth_interval=3)
     opt_a = torch.optim.SGD(model.parameters(), lr=1e-3)
     opt_b = torch.optim.SGD(twin.parameters(), lr=1e-3)
     for step in range(30):
