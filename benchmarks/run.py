@@ -92,6 +92,7 @@ class Case:
     device: str = "cpu"
     limit: bool = False  # this case is L for its device
     sync: Callable[[], None] = lambda: None
+    steps_per_call: int = 1  # a call of `step` runs this many training steps (a jitted loop)
 
 
 @dataclasses.dataclass
@@ -130,6 +131,8 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
 def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     """Best mean seconds per step of every case, with the rounds of all cases interleaved.
 
+    A case whose call runs several training steps (``steps_per_call``) is reported per step.
+
     Interleaving makes the machine's drift (shared CPUs, frequency changes) hit every case
     alike, so the ratios compare numbers taken at the same moments. The order of the cases is
     shuffled every round (with a fixed seed), and each round of a case starts with one untimed
@@ -160,7 +163,7 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
             for i in range(steps):
                 case.step(i)
             case.sync()
-            elapsed = (time.perf_counter() - start) / steps
+            elapsed = (time.perf_counter() - start) / (steps * case.steps_per_call)
             case.step(0)
             case.sync()
             gc.enable()
