@@ -40,6 +40,15 @@ def _compiled(fn: Any, *args: Any) -> tuple[Any, float]:
     return compiled, time.perf_counter() - start
 
 
+def _first_call(fn: Any, data: dict[str, Any], state: Any) -> tuple[Any, float]:
+    """Run ``fn`` once on ``data``'s gradients (jmp's state cannot be lowered from abstract
+    values, so its first call compiles it); the new state and the seconds it took."""
+    start = time.perf_counter()
+    data["grads"], state = fn(data["grads"], state)
+    jax.block_until_ready(data["grads"])
+    return state, time.perf_counter() - start
+
+
 def _per_step(compiled: Any, data: dict[str, Any], states: list[Any]) -> tuple[Any, Any]:
     """A Case step running one compiled step per call on the donated gradients in ``data``.
 
@@ -193,11 +202,8 @@ def cases(workload: str) -> list[Case]:
         note = "; promotes float16 to float32" if workload == "W1h" else ""
         # jmp changes float16 gradients to float32: on W1h it works on arrays of its own
         jmp_data = {"grads": _arrays(workload)} if workload == "W1h" else data
-        start = time.perf_counter()
         jmp_jit = jax.jit(jmp_step, donate_argnums=0)
-        jmp_data["grads"], states[0] = jmp_jit(jmp_data["grads"], states[0])  # the first call compiles
-        jax.block_until_ready(jmp_data["grads"])
-        seconds = time.perf_counter() - start
+        states[0], seconds = _first_call(jmp_jit, jmp_data, states[0])
         step, sync = _per_step(jmp_jit, jmp_data, states)
         out.append(
             Case(
@@ -213,12 +219,8 @@ def cases(workload: str) -> list[Case]:
             )
         )
         if workload != "W1h":  # a loop cannot carry float16 gradients that jmp returns as float32
-            # jmp's state cannot be lowered from abstract values: its first call compiles it
-            start = time.perf_counter()
             looped = jax.jit(_loop(jmp_step), donate_argnums=0)
-            data["grads"], loop_states = looped(data["grads"], tuple(states))
-            jax.block_until_ready(data["grads"])
-            seconds = time.perf_counter() - start
+            loop_states, seconds = _first_call(looped, data, tuple(states))
             step, sync = _looped(looped, data, loop_states)
             out.append(
                 Case(

@@ -272,8 +272,13 @@ def _batch(args: Sequence[Any], dims: Sequence[int | None]) -> tuple[Any, list[i
 
 def _make_primitive() -> Any:
     from jax._src import dispatch
+    from jax._src.core import auto_insert_reshard  # noqa: F401 - used per call: fail here, not there
+    from jax._src.sharding_impls import ShardingContext, SPMDAxisContext  # noqa: F401 - likewise
     from jax.extend.core import Primitive
     from jax.interpreters import batching, mlir
+
+    if not hasattr(jax, "typeof"):
+        raise AttributeError("jax.typeof")
 
     primitive = Primitive("ampscale_check_and_unscale")
     primitive.multiple_results = True
