@@ -1,6 +1,7 @@
 """Build the optional native kernels; the package installs without them if no compiler works.
 
 * ``ampscale.backends._native``: the NumPy backend's C extension.
+* ``ampscale._cuda._driver``: the CUDA driver launcher.
 * ``libampscale_jax_ffi.so``: the JAX backend's XLA FFI handler for the CPU, built against the
   FFI headers of the jaxlib installed in the build environment, if there is one (pip's isolated
   builds have none: the handler is then compiled on first use; see
