@@ -1,5 +1,15 @@
-"""Build the optional native NumPy kernel; the package installs without it if no C compiler works."""
+"""Build the optional native kernels; the package installs without them if no compiler works.
 
+* ``ampscale.backends._native``: the NumPy backend's C extension.
+* ``ampscale._cuda._driver``: the CUDA driver launcher.
+* ``libampscale_jax_ffi.so``: the JAX backend's XLA FFI handler for the CPU, built against the
+  FFI headers of the jaxlib installed in the build environment, if there is one (pip's isolated
+  builds have none: the handler is then compiled on first use; see
+  ``ampscale/backends/_ffi_build.py``).
+"""
+
+import importlib.util
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -14,6 +24,21 @@ class OptionalBuildExt(build_ext):
             super().run()
         except Exception as exc:
             print(f"ampscale: native NumPy kernel not built ({exc}); the pure-NumPy path will be used")
+        self.build_jax_handler()
+
+    def build_jax_handler(self) -> None:
+        """The JAX CPU handler, when jaxlib is importable here; never fails the install."""
+        sources = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ampscale", "backends")
+        target = sources if self.inplace else os.path.join(self.build_lib, "ampscale", "backends")
+        try:
+            spec = importlib.util.spec_from_file_location("_ampscale_ffi_build", os.path.join(sources, "_ffi_build.py"))
+            assert spec is not None
+            assert spec.loader is not None
+            builder = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(builder)
+            print(f"ampscale: JAX CPU custom call: {builder.build_at_install(target, sources)}")
+        except Exception as exc:
+            print(f"ampscale: JAX CPU custom call not built at install ({exc}); it is compiled on first use")
 
     def build_extension(self, ext: Extension) -> None:
         try:
@@ -34,6 +59,7 @@ setup(
         Extension(
             "ampscale.backends._native",
             sources=["ampscale/backends/_native.c"],
+            depends=["ampscale/backends/_kernels.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

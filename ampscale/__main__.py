@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 USAGE = """usage: python -m ampscale <command> [options]
@@ -23,6 +24,8 @@ def info() -> int:
     else:
         kernel = "pure NumPy (native kernel not built)"
     print(f"numpy kernel: {kernel}")
+    if "jax" in ampscale.available_backends():  # imports jax; compiles its CPU handler on first use
+        print(f"jax custom call: {importlib.import_module('ampscale.backends.jax').custom_call_status()}")
     print(f"presets: {', '.join(ampscale.PRESETS)}")
     return 0
 

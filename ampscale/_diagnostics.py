@@ -12,6 +12,7 @@ Nothing here runs unless called, and each function is a host read by design:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ampscale.backends import backend_of_leaves, get_backend
@@ -152,6 +153,8 @@ def doctor(
         evidence["non-finite leaves"] = [leaf.path for leaf in report.leaves[:5]]
     if underflow is not None:
         evidence["underflow"] = round(float(underflow), 4)
+    if scaler.backend is not None and scaler.backend.name == "jax":  # the fast path in use, or why not
+        evidence["jax custom call"] = str(importlib.import_module("ampscale.backends.jax").custom_call_status())
     steps, skipped = stats["steps"], stats["skipped_steps"]
     if steps == 0:
         return Diagnosis("no steps", "nothing to diagnose yet: call update() or step() first", evidence)

@@ -1,8 +1,16 @@
 """Benchmark cases for the JAX backend (loaded by ``benchmarks/run.py`` when jax is installed).
 
-Both rows are one jitted step with the gradients donated (the best case for both): ampscale's
-``unscale`` + ``update``, and jmp's ``unscale`` + ``all_finite`` + ``adjust`` (the anchor).
-The compile time of the first call is reported in the notes.
+Two ways a step runs, both with the gradients donated (the best case for everyone):
+
+* **one jitted call per step**: ampscale's ``unscale`` + ``update`` (with its CPU custom call,
+  and with the custom call turned off: the pure-XLA path), jmp's ``unscale`` + ``all_finite`` +
+  ``adjust`` (the anchor), and the floor of any such call: a jitted function that only takes
+  and returns the same donated arrays (for W2's 2000 arrays this is jit's own dispatch cost);
+* **inside a jitted loop**, as training runs it: a ``fori_loop`` of :data:`LOOP_STEPS` steps per
+  call, reported per step, for ampscale and jmp.
+
+Every step alternates the scales 16 and 1/16 (two scalers, or two jmp states), so the data
+keeps its magnitude. The compile time of the first call is in the notes.
 """
 
 from __future__ import annotations
@@ -16,31 +24,73 @@ import jax.numpy as jnp
 from run import SCALES, Case, make_arrays, nbytes
 
 import ampscale
+from ampscale.backends import jax as jax_backend
+
+LOOP_STEPS = 4  # steps per call of the jitted loop (an even number: the scales alternate)
 
 
 def _arrays(workload: str) -> list[jax.Array]:
     return [jnp.asarray(a) for a in make_arrays(workload)]
 
 
-def _runner(step_fn: Any, grads: list[jax.Array], states: list[Any]) -> tuple[Any, float, Any]:
-    """A Case step closing over donated gradients, the compile time, and a sync function."""
-    holder = {"grads": grads, "states": states}
+def _compiled(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn`` jitted with its first argument donated and compiled for ``args``, and the seconds it took."""
     start = time.perf_counter()
-    compiled = jax.jit(step_fn, donate_argnums=0).lower(grads, states[0]).compile()
-    compile_seconds = time.perf_counter() - start
+    compiled = jax.jit(fn, donate_argnums=0).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _first_call(fn: Any, data: dict[str, Any], state: Any) -> tuple[Any, float]:
+    """Run ``fn`` once on ``data``'s gradients (jmp's state cannot be lowered from abstract
+    values, so its first call compiles it); the new state and the seconds it took."""
+    start = time.perf_counter()
+    data["grads"], state = fn(data["grads"], state)
+    jax.block_until_ready(data["grads"])
+    return state, time.perf_counter() - start
+
+
+def _per_step(compiled: Any, data: dict[str, Any], states: list[Any]) -> tuple[Any, Any]:
+    """A Case step running one compiled step per call on the donated gradients in ``data``.
+
+    The cases of a workload share one ``data``: each call donates the arrays and stores the
+    results there for the next case, so every row works on the same memory.
+    """
 
     def step(i: int) -> None:
-        holder["grads"], holder["states"][i % 2] = compiled(holder["grads"], holder["states"][i % 2])
+        data["grads"], states[i % 2] = compiled(data["grads"], states[i % 2])
 
-    def sync() -> None:
-        jax.block_until_ready(holder["grads"])
+    return step, lambda: jax.block_until_ready(data["grads"])
 
-    return step, compile_seconds, sync
+
+def _looped(compiled: Any, data: dict[str, Any], states: tuple[Any, Any]) -> tuple[Any, Any]:
+    """A Case step running one compiled loop of LOOP_STEPS steps per call on ``data``'s gradients."""
+    holder = {"states": states}
+
+    def step(i: int) -> None:
+        data["grads"], holder["states"] = compiled(data["grads"], holder["states"])
+
+    return step, lambda: jax.block_until_ready(data["grads"])
+
+
+def _loop(one_step: Any) -> Any:
+    """``(grads, (a, b)) -> (grads, (a, b))``: LOOP_STEPS steps, alternating the two states."""
+
+    def run(grads: Any, states: Any) -> Any:
+        def body(_: Any, carry: Any) -> Any:
+            grads, (a, b) = carry
+            grads, a = one_step(grads, a)  # scale 16
+            grads, b = one_step(grads, b)  # scale 1/16: the data is back where it was
+            return grads, (a, b)
+
+        return jax.lax.fori_loop(0, LOOP_STEPS // 2, body, (grads, states))
+
+    return run
 
 
 def cases(workload: str) -> list[Case]:
     out: list[Case] = []
     grads = _arrays(workload)
+    data = {"grads": grads}
     moved = 2 * nbytes(grads)
     device = "cpu" if jax.default_backend() == "cpu" else "gpu"
     label = "jax" if device == "cpu" else "jax-gpu"  # rows on a GPU compare with the GPU's L
@@ -73,7 +123,11 @@ def cases(workload: str) -> list[Case]:
     saved = first.state_dict()
     saved["ampscale"]["state"]["scale"] = saved["ampscale"]["state"]["last_scale"] = SCALES[1]
     scalers = [first, first.load_state_dict(saved)]
-    step, seconds, sync = _runner(ampscale_step, grads, scalers)
+
+    status = jax_backend.custom_call_status()
+    fused_note = f"custom call ({status.kernel_isa})" if status.active else f"no custom call: {status.reason}"
+    compiled, seconds = _compiled(ampscale_step, data["grads"], scalers[0])
+    step, sync = _per_step(compiled, data, list(scalers))
     out.append(
         Case(
             label,
@@ -81,7 +135,57 @@ def cases(workload: str) -> list[Case]:
             "ampscale jax (jit, donated)",
             step,
             moved,
+            note=f"compile {seconds:.1f} s; {fused_note}" if device == "cpu" else f"compile {seconds:.1f} s",
+            device=device,
+            sync=sync,
+        )
+    )
+    if device == "cpu":
+
+        def xla_step(g: Any, scaler: Any) -> Any:  # a function of its own: jit caches traces per function
+            return ampscale_step(g, scaler)
+
+        with jax_backend.use_custom_call(False):
+            compiled, seconds = _compiled(xla_step, data["grads"], scalers[0])
+        step, sync = _per_step(compiled, data, list(scalers))
+        out.append(
+            Case(
+                label,
+                workload,
+                "ampscale jax, pure-XLA path (jit, donated)",
+                step,
+                moved,
+                note=f"compile {seconds:.1f} s",
+                sync=sync,
+            )
+        )
+
+    compiled, seconds = _compiled(_loop(ampscale_step), data["grads"], tuple(scalers))
+    step, sync = _looped(compiled, data, tuple(scalers))
+    out.append(
+        Case(
+            label,
+            workload,
+            f"ampscale jax in a jitted loop ({LOOP_STEPS} steps per call)",
+            step,
+            moved,
             note=f"compile {seconds:.1f} s",
+            device=device,
+            sync=sync,
+            steps_per_call=LOOP_STEPS,
+        )
+    )
+
+    # The floor of a jitted call that takes and returns the same donated arrays (and a state).
+    compiled, _ = _compiled(lambda g, s: (g, s), data["grads"], scalers[0])
+    step, sync = _per_step(compiled, data, list(scalers))
+    out.append(
+        Case(
+            label,
+            workload,
+            f"floor: jitted identity on {len(grads)} donated arrays",
+            step,
+            moved,
             device=device,
             sync=sync,
         )
@@ -94,32 +198,41 @@ def cases(workload: str) -> list[Case]:
             g = loss_scale.unscale(g)
             return g, loss_scale.adjust(jmp.all_finite(g))
 
-        jmp_grads = _arrays(workload)
         states = [jmp.DynamicLossScale(jnp.float32(s), period=10**9) for s in SCALES]
-        holder = {"grads": jmp_grads, "states": states}
-        fn = jax.jit(jmp_step, donate_argnums=0)
-        start = time.perf_counter()
-        holder["grads"], holder["states"][0] = fn(holder["grads"], holder["states"][0])
-        jax.block_until_ready(holder["grads"])
-        jmp_seconds = time.perf_counter() - start
-
-        def jmp_run(i: int) -> None:
-            holder["grads"], holder["states"][i % 2] = fn(holder["grads"], holder["states"][i % 2])
-
-        note = f"compile {jmp_seconds:.1f} s"
-        if workload == "W1h":
-            note += "; promotes float16 to float32"
+        note = "; promotes float16 to float32" if workload == "W1h" else ""
+        # jmp changes float16 gradients to float32: on W1h it works on arrays of its own
+        jmp_data = {"grads": _arrays(workload)} if workload == "W1h" else data
+        jmp_jit = jax.jit(jmp_step, donate_argnums=0)
+        states[0], seconds = _first_call(jmp_jit, jmp_data, states[0])
+        step, sync = _per_step(jmp_jit, jmp_data, states)
         out.append(
             Case(
                 label,
                 workload,
                 "jmp (jit, donated)",
-                jmp_run,
+                step,
                 moved,
                 anchor=True,
-                note=note,
+                note=f"compile {seconds:.1f} s{note}",
                 device=device,
-                sync=lambda: jax.block_until_ready(holder["grads"]),
+                sync=sync,
             )
         )
+        if workload != "W1h":  # a loop cannot carry float16 gradients that jmp returns as float32
+            looped = jax.jit(_loop(jmp_step), donate_argnums=0)
+            loop_states, seconds = _first_call(looped, data, tuple(states))
+            step, sync = _looped(looped, data, loop_states)
+            out.append(
+                Case(
+                    label,
+                    workload,
+                    f"jmp in a jitted loop ({LOOP_STEPS} steps per call)",
+                    step,
+                    moved,
+                    note=f"compile {seconds:.1f} s",
+                    device=device,
+                    sync=sync,
+                    steps_per_call=LOOP_STEPS,
+                )
+            )
     return out

@@ -110,6 +110,7 @@ class Case:
     sync: Callable[[], None] = lambda: None
     group: str = ""  # compared with the anchors of its own group only (per-call rows: the call)
     timed: bool = False  # step returns the seconds of the part it stands for (per-call rows)
+    steps_per_call: int = 1  # a call of `step` runs this many training steps (a jitted loop)
 
 
 @dataclasses.dataclass
@@ -151,6 +152,8 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
 def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     """Best mean seconds per step of every case, with the rounds of all cases interleaved.
 
+    A case whose call runs several training steps (``steps_per_call``) is reported per step.
+
     Interleaving makes the machine's drift (shared CPUs, frequency changes) hit every case
     alike, so the ratios compare numbers taken at the same moments. The order of the cases is
     shuffled every round (with a fixed seed), and each round of a case starts with one untimed
@@ -184,7 +187,7 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
                 for i in range(steps):
                     case.step(i)
                 case.sync()
-                elapsed = (time.perf_counter() - start) / steps
+                elapsed = (time.perf_counter() - start) / (steps * case.steps_per_call)
             case.step(0)
             case.sync()
             gc.enable()

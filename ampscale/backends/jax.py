@@ -13,6 +13,10 @@ multiply forces a full copy of every gradient, so the unscaled outputs are check
 scale >= 1 (inverse <= 1) that is exactly the check of the inputs; below 1 a finite gradient
 whose unscaled value overflows to inf is flagged as well (applying it would write inf).
 
+On the CPU the check + unscale is one XLA custom call per group of leaves (``_jax_custom_call``:
+ampscale's native kernels, in place, bit for bit the same as the XLA path), wherever the call
+site allows it; ``custom_call_status()`` says whether it is in use and why (not).
+
 Agreement: sharded arrays under ``jit`` are global by construction (the reduction spans every
 shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced with ``pmin``.
 """
@@ -29,17 +33,47 @@ import numpy as np
 from ampscale._config import ScalerConfig
 from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps, PlainNamespace
+from ampscale.backends import _jax_custom_call
 from ampscale.backends._base import Backend
+from ampscale.backends._jax_custom_call import CustomCallStatus, use_custom_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["BACKEND", "JaxBackend", "PackedState"]
+__all__ = [
+    "BACKEND",
+    "CustomCallStatus",
+    "JaxBackend",
+    "PackedState",
+    "custom_call_status",
+    "register_custom_call",
+    "use_custom_call",
+]
 
 # ScalerState fields, split by dtype: two buffers instead of twelve. Every separate buffer a
 # jitted call takes or returns costs a few microseconds on XLA's CPU runtime.
 _SCALE_FIELDS = ("scale", "last_scale")
 _COUNTER_FIELDS = tuple(f for f in ScalerState._fields if f not in _SCALE_FIELDS)
+
+
+def custom_call_status() -> CustomCallStatus:
+    """Whether the check + unscale runs as ampscale's fused XLA custom call on the CPU, and why (not).
+
+    Loads the handler (compiling it on first use if it was not built at install) and reports
+    where it came from, the kernel family, whether it is turned off, and the latest lowering's
+    choice (the custom call, or the pure-XLA path and why: another platform, automatic
+    sharding over several devices, ``jax.export``, ...). Shown by ``python -m ampscale info``.
+    """
+    return _jax_custom_call.status()
+
+
+def register_custom_call() -> CustomCallStatus:
+    """Register the CPU custom call with XLA in this process (for deserialized ``jax.export`` code).
+
+    Tracing with the JAX backend registers it by itself; a process that only runs an exported
+    artifact built with ``use_custom_call(in_exports=True)`` must call this first.
+    """
+    return _jax_custom_call.register()
 
 
 class PackedState(NamedTuple):
@@ -118,8 +152,9 @@ class JaxBackend(Backend):
             return leaves, self.all_finite(leaves)
         if _eager(leaves) and not isinstance(inv_scale, jax.core.Tracer):
             # One compiled computation (cached by jit per tree of shapes and dtypes) rather than
-            # op-by-op dispatch, which compiles a small program per op and distinct shape.
-            outs, finite = _check_and_unscale_jit(leaves, inv_scale)
+            # op-by-op dispatch, which compiles a small program per op and distinct shape. The
+            # custom call setting is part of the cache key, so turning it off takes effect.
+            outs, finite = _check_and_unscale_jit(leaves, inv_scale, _jax_custom_call.enabled())
             return list(outs), finite
         return _check_and_unscale(leaves, inv_scale)
 
@@ -308,7 +343,17 @@ def _eager(leaves: list[Any]) -> bool:
     return bool(leaves) and not any(isinstance(x, jax.core.Tracer) for x in leaves)
 
 
-def _check_and_unscale(leaves: list[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+def _check_and_unscale(leaves: list[Any], inv_scale: Any, custom_call: bool = True) -> tuple[list[Any], Any]:
+    """The CPU custom call where it can run (see ``_jax_custom_call``), else the XLA path."""
+    if custom_call:
+        fused = _jax_custom_call.check_and_unscale(leaves, inv_scale)
+        if fused is not None:
+            return fused
+    return _check_and_unscale_xla(leaves, inv_scale)
+
+
+def _check_and_unscale_xla(leaves: list[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+    """The pure-XLA path: each leaf unscaled by XLA, and the exact flag of the unscaled values."""
     outs = [_unscale(x, inv_scale) for x in leaves]
     return outs, _all_finite(outs)
 
@@ -337,7 +382,7 @@ def _all_finite(leaves: list[Any]) -> Any:
     return jnp.logical_not(jnp.isnan(total))
 
 
-_check_and_unscale_jit = jax.jit(_check_and_unscale)
+_check_and_unscale_jit = jax.jit(_check_and_unscale, static_argnums=2)
 _all_finite_jit = jax.jit(_all_finite)
 
 

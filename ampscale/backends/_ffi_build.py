@@ -1,0 +1,167 @@
+"""Build the XLA FFI handler for JAX on the CPU (``_jax_ffi.cc``) with the host C++ compiler.
+
+Standard library only: ``setup.py`` runs it at install time, and the JAX backend on first use.
+
+* At install time, when jaxlib is installed in the build environment, the handler is compiled
+  against the FFI headers jaxlib ships (``jax.ffi.include_dir()``) into
+  ``ampscale/backends/libampscale_jax_ffi.so``. pip builds in an isolated environment without
+  jax by default, so this happens for ``pip install --no-build-isolation`` (and for
+  ``python setup.py build_ext --inplace``), not for a plain ``pip install``.
+* Otherwise (or when that library was built from other sources or for another jaxlib), the
+  first JAX program that needs the handler compiles it into a per-user cache,
+  ``$AMPSCALE_CACHE_DIR`` or ``$XDG_CACHE_HOME/ampscale`` (``~/.cache/ampscale``), named by a
+  hash of the sources, the jaxlib version, the compiler and its flags. So a user who installs
+  a wheel without jax and then installs jax gets the handler compiled once (a few seconds) and
+  reused by every later process; a jaxlib upgrade or a new ampscale compiles a new one.
+
+Every library carries the key it was built with (a hash of the sources and the jaxlib version)
+and the loader uses it only if the key matches, so a stale build is never run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from importlib import metadata, util
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: The files the handler is compiled from (the kernels are shared with the NumPy extension).
+SOURCES = ("_jax_ffi.cc", "_kernels.h")
+#: The library built at install time, beside the sources.
+PREBUILT = os.path.join(HERE, "libampscale_jax_ffi.so")
+#: GCC/Clang flags; the kernels' float semantics match the NumPy extension's build.
+FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-pthread",
+)
+
+
+def jaxlib_headers() -> tuple[str, str] | None:
+    """``(include directory, jaxlib version)`` of the installed jaxlib, found without importing it."""
+    try:
+        spec = util.find_spec("jaxlib")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        include = os.path.join(location, "include")
+        if os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")):
+            try:
+                return include, metadata.version("jaxlib")
+            except metadata.PackageNotFoundError:
+                return None
+    return None
+
+
+def build_key(jaxlib_version: str, directory: str = HERE) -> str:
+    """What a library must have been built from: a hash of the sources, and the jaxlib version."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(directory, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    return f"src-{digest.hexdigest()[:16]}-jaxlib-{jaxlib_version}"
+
+
+def find_compiler() -> list[str] | None:
+    """The C++ compiler command: ``$CXX``, else Python's configured one, else c++/g++/clang++."""
+    candidates = [os.environ.get("CXX", ""), sysconfig.get_config_var("CXX") or ""]
+    for candidate in candidates:
+        command = shlex.split(candidate)
+        if command and shutil.which(command[0]):
+            return command
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _compiler_identity(command: list[str]) -> str:
+    """The command and its executable's size and time: a compiler upgrade changes the cache name."""
+    path = shutil.which(command[0]) or command[0]
+    try:
+        stat = os.stat(os.path.realpath(path))
+        return f"{' '.join(command)}|{stat.st_size}|{stat.st_mtime_ns}"
+    except OSError:
+        return " ".join(command)
+
+
+def cache_dir() -> str:
+    """Where lazily compiled handlers are kept (per user)."""
+    explicit = os.environ.get("AMPSCALE_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ampscale")
+
+
+def cached_library(key: str, compiler: list[str]) -> str:
+    """The cache path of the handler built with ``key`` by ``compiler``."""
+    identity = "\n".join([key, _compiler_identity(compiler), *FLAGS, sys.platform])
+    name = hashlib.sha256(identity.encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), f"jax_ffi-{name}.so")
+
+
+def compile_library(output: str, include_dir: str, key: str, compiler: list[str], directory: str = HERE) -> None:
+    """Compile the handler into ``output`` (atomically: concurrent builds each write a whole file).
+
+    Raises:
+        RuntimeError: the compiler failed (its last lines of output are in the message).
+    """
+    if sys.platform == "win32":
+        raise RuntimeError("the JAX CPU handler is built with GCC or Clang; Windows is not supported")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    os.makedirs(out_dir, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".jax_ffi-", suffix=".so", dir=out_dir)
+    os.close(handle)
+    command = [
+        *compiler,
+        *FLAGS,
+        "-isystem",
+        include_dir,
+        "-I",
+        directory,
+        f'-DAMPSCALE_FFI_BUILD_KEY="{key}"',
+        os.path.join(directory, "_jax_ffi.cc"),
+        "-o",
+        temporary,
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        if result.returncode != 0:
+            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"{' '.join(command)} failed (exit {result.returncode}):\n{tail}")
+        os.chmod(temporary, 0o755)  # mkstemp makes it private; the library is for every user
+        os.replace(temporary, output)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{' '.join(command)} could not run: {exc}") from exc
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def build_at_install(output_dir: str, source_dir: str = HERE) -> str:
+    """Build the handler for ``setup.py`` when jaxlib and a compiler are present; say what happened."""
+    headers = jaxlib_headers()
+    if headers is None:
+        return "jaxlib not installed in the build environment; compiled on first use instead"
+    compiler = find_compiler()
+    if compiler is None:
+        return "no C++ compiler found (set CXX); compiled on first use if one appears"
+    include_dir, version = headers
+    output = os.path.join(output_dir, os.path.basename(PREBUILT))
+    compile_library(output, include_dir, build_key(version, source_dir), compiler, source_dir)
+    return f"built {output} for jaxlib {version}"

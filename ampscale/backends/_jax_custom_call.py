@@ -1,0 +1,365 @@
+"""The JAX backend's fast path on the CPU: one XLA custom call checks and unscales many leaves.
+
+XLA compiles each gradient leaf into its own fusion and output buffer; on the CPU that costs
+a few microseconds per leaf and keeps a step well below memory speed. The custom call
+``ampscale_check_and_unscale_v1`` (``_jax_ffi.cc``, the NumPy extension's kernels) takes the
+inverse scale and up to :data:`GROUP` leaves, unscales them in place (each result aliases its
+operand, so donated gradients are never copied) and returns one flag.
+
+It is bound as a primitive whose lowering decides, per platform and context, between the
+custom call and the pure-XLA path (both bit for bit the same):
+
+* CPU, one device, or one shard under ``shard_map``/``pmap``: the custom call.
+* any other platform, ``jit`` over several devices with automatic sharding (the custom call
+  is opaque to XLA's partitioner, which would gather every gradient onto each device), a
+  partly manual ``shard_map``, and ``jax.export`` (unless :func:`use_custom_call` says
+  ``in_exports=True``): the pure-XLA path.
+* under ``vmap`` (a flag per batch element) the batching rule runs the pure-XLA path, and
+  differentiating through it uses the pure-XLA path's derivative.
+
+The handler library is built at install time or compiled on first use (``_ffi_build``). If it
+cannot be loaded, or this JAX lacks an internal the primitive needs, the backend uses the
+pure-XLA path and :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import os
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ampscale._errors import PerformanceWarning
+from ampscale.backends import _ffi_build
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+__all__ = ["GROUP", "TARGET", "CustomCallStatus", "check_and_unscale", "register", "status", "use_custom_call"]
+
+#: The FFI target's name; a change of operands or results gets a new one.
+TARGET = "ampscale_check_and_unscale_v1"
+#: Leaves per custom call. XLA:CPU's compile time grows faster than linearly with the number of
+#: aliased results of one call (2000 in one call: about 40 s; 16 calls of 128: a few seconds),
+#: and groups this size cost nothing at run time.
+GROUP = 128
+_DTYPES = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+_ENV = "AMPSCALE_JAX_CUSTOM_CALL"
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomCallStatus:
+    """Whether the JAX backend's CPU custom call is in use, and why (not).
+
+    Attributes:
+        available: the handler is loaded and registered with XLA for the CPU.
+        enabled: not turned off (``AMPSCALE_JAX_CUSTOM_CALL=0`` or :func:`use_custom_call`).
+        reason: where the handler came from, or what kept it from loading.
+        library: the path of the loaded handler library.
+        kernel_isa: the kernel family the handler runs (``"avx512"``, ``"avx2+f16c"``, ...).
+        last_lowering: the latest lowering's choice (``"custom call"`` or ``"XLA path: <why>"``).
+    """
+
+    available: bool
+    enabled: bool
+    reason: str
+    library: str | None = None
+    kernel_isa: str | None = None
+    last_lowering: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether new traces on the CPU use the custom call."""
+        return self.available and self.enabled
+
+    def __str__(self) -> str:
+        if not self.enabled:
+            head = "off (pure-XLA path): turned off"
+        elif self.available:
+            head = f"on ({self.kernel_isa}): {self.reason}"
+        else:
+            head = f"unavailable (pure-XLA path): {self.reason}"
+        if self.last_lowering:
+            head += f"; last lowering: {self.last_lowering}"
+        return head
+
+
+_lock = threading.Lock()
+_loaded: CustomCallStatus | None = None
+_library: ctypes.CDLL | None = None  # kept alive: XLA holds a pointer into it
+_primitive: Any = None
+_settings = {"enabled": True, "in_exports": False}
+_last_lowering: list[str] = []
+_warned = False
+
+
+def _env_enabled() -> bool:
+    value = os.environ.get(_ENV, "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{_ENV} must be 1/on/true or 0/off/false; got {os.environ[_ENV]!r}")
+
+
+def enabled() -> bool:
+    """Whether the custom call may be used by new traces (the setting, not availability)."""
+    return _settings["enabled"] and _env_enabled()
+
+
+@contextlib.contextmanager
+def use_custom_call(enabled: bool = True, *, in_exports: bool = False) -> Iterator[None]:
+    """Turn the CPU custom call on or off for the functions traced inside the block.
+
+    Args:
+        enabled: ``False`` makes new traces use the pure-XLA path (bit for bit the same).
+        in_exports: keep the custom call in ``jax.export`` artifacts too. They then need
+            ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGET)]`` to export,
+            and :func:`register` called in every process that runs them. By default exports
+            lower to the pure-XLA path and run anywhere.
+
+    A function already traced keeps its choice (``jax.jit`` caches traces).
+    """
+    for name, value in (("enabled", enabled), ("in_exports", in_exports)):
+        if not isinstance(value, bool):
+            raise TypeError(f"use_custom_call: {name} must be a bool; got {value!r}")
+    saved = dict(_settings)
+    _settings.update(enabled=enabled, in_exports=in_exports)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def _open(path: str, key: str) -> tuple[ctypes.CDLL | None, str]:
+    """Load a handler library if it was built from ``key``; else say why not."""
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        return None, f"{path} does not load: {exc}"
+    library.ampscale_ffi_build_key.restype = ctypes.c_char_p
+    built = library.ampscale_ffi_build_key().decode()
+    if built != key:
+        return None, f"{path} was built from other sources or for another jaxlib ({built}, need {key})"
+    return library, ""
+
+
+def _load() -> CustomCallStatus:
+    """Find, build if needed, load and register the handler: once per process."""
+    global _library, _primitive
+    import jaxlib
+
+    version = getattr(jaxlib, "__version__", None) or jax.__version__
+    try:
+        key = _ffi_build.build_key(version)
+    except OSError as exc:
+        return CustomCallStatus(False, True, f"the handler's sources are not installed ({exc})")
+    library, why_not_prebuilt = (None, "")
+    if os.path.exists(_ffi_build.PREBUILT):
+        library, why_not_prebuilt = _open(_ffi_build.PREBUILT, key)
+    path, origin = _ffi_build.PREBUILT, "built at install"
+    if library is None:
+        compiler = _ffi_build.find_compiler()
+        if compiler is None:
+            reason = "no C++ compiler found to build the handler (set CXX)"
+            return CustomCallStatus(False, True, f"{reason}; {why_not_prebuilt}" if why_not_prebuilt else reason)
+        path, origin = _ffi_build.cached_library(key, compiler), "compiled on first use, cached"
+        if not os.path.exists(path):
+            try:
+                _ffi_build.compile_library(path, jax.ffi.include_dir(), key, compiler)
+            except RuntimeError as exc:
+                return CustomCallStatus(False, True, f"compiling the handler failed: {exc}")
+        library, why = _open(path, key)
+        if library is None:
+            return CustomCallStatus(False, True, why)
+    try:
+        _primitive = _make_primitive()
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ampscale_check_and_unscale_v1), platform="cpu")
+    except Exception as exc:  # a JAX without an internal the primitive needs: the XLA path
+        return CustomCallStatus(False, True, f"this JAX ({jax.__version__}) cannot host the custom call: {exc!r}")
+    _library = library
+    library.ampscale_ffi_kernel_isa.restype = ctypes.c_char_p
+    isa = library.ampscale_ffi_kernel_isa().decode()
+    return CustomCallStatus(True, True, f"{origin} ({path})", path, isa)
+
+
+def register() -> CustomCallStatus:
+    """Load (building it if needed) and register the CPU handler with XLA, once per process.
+
+    Call it before running a deserialized ``jax.export`` artifact that contains the custom
+    call (see :func:`use_custom_call`); tracing with the JAX backend calls it by itself.
+    """
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+        return _loaded
+
+
+def status() -> CustomCallStatus:
+    """The custom call's :class:`CustomCallStatus` (loads or builds the handler if not yet done)."""
+    loaded = register()
+    return dataclasses.replace(loaded, enabled=enabled(), last_lowering=_last_lowering[-1] if _last_lowering else None)
+
+
+# -- the primitive ------------------------------------------------------------------------------
+
+
+def _xla_path(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
+    """The pure-XLA computation of the same results: ``(finite, *unscaled)``."""
+    from ampscale.backends.jax import _check_and_unscale_xla
+
+    outs, finite = _check_and_unscale_xla(list(grads), inv_scale)
+    return (finite, *outs)
+
+
+def _lowering_choice(ctx: Any) -> str | None:
+    """``None`` to lower to the custom call here, else why the pure-XLA path is lowered."""
+    from jax._src import sharding_impls
+
+    module = ctx.module_context
+    if getattr(module.lowering_parameters, "for_export", False) and not _settings["in_exports"]:
+        return "jax.export (portable; use_custom_call(in_exports=True) keeps the custom call)"
+    axis_context = module.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices > 1:
+        return f"automatic sharding over {axis_context.num_devices} devices"
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        manual = axis_context.manual_axes
+        auto = [name for name, size in axis_context.mesh.shape.items() if size > 1 and name not in manual]
+        if auto:
+            return f"shard_map with mesh axes {auto} left to automatic sharding"
+    return None
+
+
+def _lower_cpu(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    from jax.interpreters import mlir
+
+    reason = _lowering_choice(ctx)
+    _last_lowering[:] = ["custom call" if reason is None else f"XLA path: {reason}"]
+    if reason is not None:
+        return mlir.lower_fun(_xla_path, multiple_results=True)(ctx, inv_scale, *grads)
+    aliases = {i: i for i in range(1, len(grads) + 1)}
+    return jax.ffi.ffi_lowering(TARGET, operand_output_aliases=aliases)(ctx, inv_scale, *grads)
+
+
+def _lower_other(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    from jax.interpreters import mlir
+
+    _last_lowering[:] = [f"XLA path: no handler for platform {list(ctx.module_context.platforms)}"]
+    return mlir.lower_fun(_xla_path, multiple_results=True)(ctx, inv_scale, *grads)
+
+
+def _abstract_eval(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
+    # The flag has the inverse scale's type (0-d, and under shard_map varying over the same
+    # axes as the leaves: the caller made them agree); every leaf keeps its own.
+    return (inv_scale.update(dtype=np.dtype(np.bool_), weak_type=False), *grads)
+
+
+def _batch(args: Sequence[Any], dims: Sequence[int | None]) -> tuple[Any, list[int]]:
+    # A flag per batch element: the pure-XLA path, vectorised.
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+    outs = jax.vmap(_xla_path, in_axes=[None if d is None else 0 for d in dims])(*moved)
+    return outs, [0] * len(outs)
+
+
+def _make_primitive() -> Any:
+    from jax._src import dispatch
+    from jax._src.core import auto_insert_reshard  # noqa: F401 - used per call: fail here, not there
+    from jax._src.sharding_impls import ShardingContext, SPMDAxisContext  # noqa: F401 - likewise
+    from jax.extend.core import Primitive
+    from jax.interpreters import batching, mlir
+
+    if not hasattr(jax, "typeof"):
+        raise AttributeError("jax.typeof")
+
+    primitive = Primitive("ampscale_check_and_unscale")
+    primitive.multiple_results = True
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+    primitive.def_abstract_eval(_abstract_eval)
+    mlir.register_lowering(primitive, _lower_other)
+    mlir.register_lowering(primitive, _lower_cpu, platform="cpu")
+    batching.primitive_batchers[primitive] = _batch
+    return primitive
+
+
+def _bind(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
+    return tuple(_primitive.bind(inv_scale, *grads))
+
+
+def _bind_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    primal_out, tangent_out = jax.jvp(_xla_path, primals, tangents)
+    return primal_out, tangent_out
+
+
+# Differentiable: the derivative of the pure-XLA path (a multiply by the inverse scale).
+_fused: Any = jax.custom_jvp(_bind)
+_fused.defjvp(_bind_jvp)
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes ``x`` varies over under ``shard_map`` (empty elsewhere)."""
+    return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
+
+
+def check_and_unscale(leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any] | None:
+    """Unscale ``leaves`` and check them through the custom call; ``None`` where it cannot be used.
+
+    Leaves of another dtype (float8, ...) take the pure-XLA path beside it, and the flags are
+    combined. The calls take at most :data:`GROUP` leaves each, all varying over the same
+    manual mesh axes.
+    """
+    global _warned
+    if not enabled():
+        return None
+    loaded = register()
+    if not loaded.available:
+        if not _warned and jax.default_backend() == "cpu":
+            _warned = True
+            warnings.warn(
+                f"ampscale: the JAX CPU custom call is unavailable, the pure-XLA path is used: {loaded.reason}",
+                PerformanceWarning,
+                stacklevel=4,
+            )
+        return None
+    scale_type = jax.typeof(inv_scale)
+    if scale_type.shape != () or scale_type.dtype != np.float32:
+        return None
+    fused = [i for i, x in enumerate(leaves) if np.dtype(x.dtype) in _DTYPES]
+    if not fused:
+        return None
+    from jax._src import core
+
+    groups: dict[frozenset[Any], list[int]] = {}
+    for i in fused:
+        groups.setdefault(_varying_axes(leaves[i]), []).append(i)
+    outs = list(leaves)
+    flags = []
+    for members in groups.values():
+        for start in range(0, len(members), GROUP):
+            chunk = members[start : start + GROUP]
+            inv, *grads = core.auto_insert_reshard(inv_scale, *(leaves[i] for i in chunk))
+            finite, *unscaled = _fused(inv, *grads)
+            flags.append(finite)
+            for i, out in zip(chunk, unscaled, strict=True):
+                outs[i] = out
+    in_calls = set(fused)
+    rest = [i for i in range(len(leaves)) if i not in in_calls]
+    if rest:
+        from ampscale.backends.jax import _check_and_unscale_xla
+
+        others, finite = _check_and_unscale_xla([leaves[i] for i in rest], inv_scale)
+        flags.append(finite)
+        for i, out in zip(rest, others, strict=True):
+            outs[i] = out
+    finite = flags[0]
+    for flag in flags[1:]:
+        finite = jnp.logical_and(finite, flag)
+    return outs, finite
