@@ -231,3 +231,21 @@ def test_pure_numpy_path_checks_the_values_stored() -> None:
         assert not bool(finite), dtype
         assert bool(backend.BACKEND.check_and_unscale([read_only], None)[1])
         np.testing.assert_array_equal(_bits(np.asarray(out[0])), _bits(_reference(read_only, 8.0)))
+
+
+def test_the_kernel_unscales_a_repeated_buffer_once_and_refuses_partial_overlap(kernel: Any) -> None:
+    """Aliasing is decided in C, before any element changes: one sort of the buffers by address
+    (none when already in order), exact duplicates skipped, partial overlap refused."""
+    base = np.arange(1, 101, dtype=np.float32)
+    assert kernel([base, base, base[:]], KINDS["float32"], 0.5, True, 1) is True
+    np.testing.assert_array_equal(base, np.arange(1, 101, dtype=np.float32) / 2)
+    for arrays in ([base, base[10:]], [base[50:], base[:60]], [np.ones(4, np.float32), base[:30], base[29:40]]):
+        before = base.copy()
+        with pytest.raises(ValueError, match=r"\(\d+, \d+\)") as info:  # OverlapError(first, second)
+            kernel(arrays, KINDS["float32"], 0.5, True, 1)
+        assert type(info.value).__name__ == "OverlapError"
+        np.testing.assert_array_equal(base, before)
+    assert kernel([base, base[10:]], KINDS["float32"], 0.5, False, 1) is True  # reading twice is fine
+    separate = [np.ones(8, np.float32) for _ in range(50)]
+    assert kernel(separate[::-1] + separate[:1], KINDS["float32"], 0.5, True, 1) is True
+    assert all((a == 0.5).all() for a in separate)

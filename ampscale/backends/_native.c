@@ -25,6 +25,74 @@
 
 #include "_kernels.h"
 
+/* ---------------------------------------------------------------- aliasing */
+
+static PyObject *OverlapError; /* _native.OverlapError(first, second): buffers share memory in part */
+
+typedef struct {
+    uintptr_t lo, hi; /* bytes [lo, hi) */
+    Py_ssize_t index;
+} Extent;
+
+static int extent_order(const void *a, const void *b) {
+    const Extent *x = a, *y = b;
+    if (x->lo != y->lo) return x->lo < y->lo ? -1 : 1;
+    if (x->hi != y->hi) return x->hi < y->hi ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* Each memory location is unscaled once. Buffers that are the same bytes as an earlier one are
+ * marked in `duplicate` (processed once; they are views of one array, so both show the result);
+ * buffers that share only some bytes cannot be unscaled once each: -1 with OverlapError set,
+ * before any element changes. One sort of the extents (none when already in address order). */
+static int find_aliases(const Span *spans, Py_ssize_t count, Py_ssize_t itemsize, char *duplicate) {
+    if (count < 2) return 0;
+    Extent *extents = PyMem_Malloc((size_t)count * sizeof(Extent));
+    if (extents == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t used = 0;
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (spans[i].n == 0) continue;
+        uintptr_t lo = (uintptr_t)spans[i].data;
+        extents[used].lo = lo;
+        extents[used].hi = lo + (uintptr_t)(spans[i].n * itemsize);
+        extents[used].index = i;
+        if (used > 0 && extent_order(&extents[used - 1], &extents[used]) > 0) sorted = 0;
+        used++;
+    }
+    if (!sorted) qsort(extents, (size_t)used, sizeof(Extent), extent_order);
+    int status = 0;
+    uintptr_t reach = 0; /* the highest end so far, and whose it is */
+    Py_ssize_t reach_index = -1;
+    for (Py_ssize_t k = 0; k < used; k++) {
+        const Extent *e = &extents[k];
+        if (k > 0 && e->lo == extents[k - 1].lo && e->hi == extents[k - 1].hi) {
+            duplicate[e->index] = 1;
+            continue;
+        }
+        if (reach_index >= 0 && e->lo < reach) {
+            Py_ssize_t first = reach_index < e->index ? reach_index : e->index;
+            Py_ssize_t second = reach_index < e->index ? e->index : reach_index;
+            PyObject *args = Py_BuildValue("(nn)", first, second);
+            if (args != NULL) {
+                PyErr_SetObject(OverlapError, args);
+                Py_DECREF(args);
+            }
+            status = -1;
+            break;
+        }
+        if (e->hi > reach) {
+            reach = e->hi;
+            reach_index = e->index;
+        }
+    }
+    PyMem_Free(extents);
+    return status;
+}
+
 /* ---------------------------------------------------------------- Python entry point */
 
 PyDoc_STRVAR(check_and_unscale_doc,
@@ -33,7 +101,10 @@ PyDoc_STRVAR(check_and_unscale_doc,
              "`multiply` is true, multiply them in place by `inv_scale` (float32 arithmetic).\n"
              "`kind` is 0 float16, 1 bfloat16, 2 float32, 3 float64. Returns True when all\n"
              "elements were finite; with `count_tiny`, returns (all_finite, n) where n counts\n"
-             "the input elements that were zero or subnormal (in the same pass).");
+             "the input elements that were zero or subnormal (in the same pass).\n\n"
+             "With `multiply`, buffers that are the same bytes as an earlier one are unscaled\n"
+             "once; buffers that share only some bytes raise OverlapError(first, second) before\n"
+             "any element changes.");
 
 static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
     (void)self;
@@ -77,6 +148,22 @@ static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
         }
         spans[i].data = (char *)views[i].buf;
         spans[i].n = views[i].len / itemsize;
+    }
+    if (!failed && multiply) {
+        /* only writes can change a location twice: a check-only call reads what it is given */
+        char *duplicate = PyMem_Calloc(count > 0 ? (size_t)count : 1, 1);
+        if (duplicate == NULL) {
+            PyErr_NoMemory();
+            failed = 1;
+        } else {
+            if (find_aliases(spans, count, itemsize, duplicate) != 0) failed = 1;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                if (duplicate[i]) spans[i].n = 0;
+            }
+            PyMem_Free(duplicate);
+        }
+    }
+    for (Py_ssize_t i = 0; i < count && !failed; i++) {
         spans[i].offset = total;
         total += spans[i].n;
     }
@@ -155,6 +242,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     select_kernels();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    OverlapError = PyErr_NewExceptionWithDoc("ampscale.backends._native.OverlapError",
+                                             "Two buffers share some, but not all, of their bytes.",
+                                             PyExc_ValueError, NULL);
+    if (OverlapError == NULL || PyModule_AddObjectRef(m, "OverlapError", OverlapError) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "PARALLEL_THRESHOLD", (long)(PARALLEL_THRESHOLD * 2)) < 0 ||
         PyModule_AddIntConstant(m, "KIND_FLOAT16", KIND_F16) < 0 ||
         PyModule_AddIntConstant(m, "KIND_BFLOAT16", KIND_BF16) < 0 ||
