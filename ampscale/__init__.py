@@ -24,6 +24,7 @@ from ampscale._config import PRESETS, FloorEvent, Preset, ScalerConfig
 from ampscale._core import ScalerState
 from ampscale._diagnostics import Diagnosis, LeafReport, OverflowReport, diagnose, doctor
 from ampscale._errors import (
+    AliasedGradientsError,
     AmpscaleError,
     AmpscaleWarning,
     PerformanceWarning,
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMAT_VERSION",
     "PRESETS",
+    "AliasedGradientsError",
     "AmpscaleError",
     "AmpscaleWarning",
     "Diagnosis",

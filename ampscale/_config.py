@@ -21,8 +21,9 @@ backoff_rule        ``"multiply"`` by ``backoff_factor``, or ``"divide"`` by
                     ``growth_factor`` (the single-factor systems: jmp, DeepSpeed, apex).
 ceiling             ``"skip"``: a growth that would leave the finite range of the scale's
                     dtype or pass ``max_scale`` is skipped (torch, jmp); ``"clamp"``: the
-                    grown scale is clamped to ``max_scale`` (flax: float32 max, apex: 2**24;
-                    no ``max_scale`` means no guard at all, as in Keras and Megatron).
+                    grown scale is clamped to ``max_scale`` (flax: float32 max, apex: 2**24),
+                    or to the largest finite value of the scale's dtype when there is none
+                    (Keras and Megatron would reach inf there).
 scale_dtype         the dtype the scale is stored in: float32, or float64 for systems that
                     keep it in a Python float (DeepSpeed, apex).
 factor_precision    the precision of the factors in ``scale * factor``: float64 where the
@@ -32,6 +33,14 @@ grad_dtype          ``"keep"``: each gradient is unscaled in its own dtype (ever
                     ``"promote"``: float16 and bfloat16 gradients are unscaled into float32
                     copies, as jmp's ``unscale`` returns them (its scale is a float32 array).
 =================== =====================================================================
+
+The scale never leaves ``[smallest normal, largest finite]`` of its dtype (float32: about
+1.2e-38 to 3.4e38): with no ``min_scale`` a backoff stops at the smallest normal value (torch's
+own scale would go on through the subnormals to 0, and then divide by it), and with no
+``max_scale`` a ``"clamp"`` growth stops at the largest finite value (Keras's would reach inf).
+So the scale is never 0, inf or nan, and ``on_floor`` sees a run that reaches the bottom.
+Every value is validated as it will be used, after rounding to the scale's dtype and the
+factors' precision.
 """
 
 from __future__ import annotations
@@ -56,6 +65,10 @@ __all__ = [
 
 FLOAT32_MAX: Final = float.fromhex("0x1.fffffep+127")
 FLOAT32_TINY: Final = float.fromhex("0x1p-126")
+FLOAT64_MAX: Final = float.fromhex("0x1.fffffffffffffp+1023")
+FLOAT64_TINY: Final = float.fromhex("0x1p-1022")
+#: the range a scale of each dtype stays in, whatever the preset: [smallest normal, largest finite]
+SCALE_RANGE: Final = {"float32": (FLOAT32_TINY, FLOAT32_MAX), "float64": (FLOAT64_TINY, FLOAT64_MAX)}
 INT32_MAX: Final = 2**31 - 1
 INT32_MIN: Final = -(2**31)
 
@@ -346,8 +359,8 @@ class ScalerConfig:
     growth_value: float = dataclasses.field(init=False, repr=False)
     backoff_value: float = dataclasses.field(init=False, repr=False)
     floor_value: float = dataclasses.field(init=False, repr=False)
-    min_value: float | None = dataclasses.field(init=False, repr=False)
-    max_value: float | None = dataclasses.field(init=False, repr=False)
+    min_value: float = dataclasses.field(init=False, repr=False)
+    max_value: float = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False, compare=False)
     _cache: dict[str, Any] = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -364,15 +377,15 @@ class ScalerConfig:
             set_(self, "backoff_value", self.growth_value)
         else:
             set_(self, "backoff_value", _round_to(float(self.backoff_factor), self.factor_precision))
-        min_value = None if self.min_scale is None else _round_to(float(self.min_scale), storage)
-        max_value = None if self.max_scale is None else _round_to(float(self.max_scale), storage)
+        lowest, highest = SCALE_RANGE[storage]
+        # the bounds in use: the settings rounded to the scale's dtype, else the dtype's range
+        min_value = lowest if self.min_scale is None else _round_to(float(self.min_scale), storage)
+        max_value = highest if self.max_scale is None else _round_to(float(self.max_scale), storage)
         set_(self, "min_value", min_value)
         set_(self, "max_value", max_value)
-        set_(self, "floor_value", 0.0 if min_value is None else min_value)
-        initial = 1.0 if self.mode == "guard" else _round_to(float(self.init_scale), storage)
-        if self.mode == "dynamic" and self.ceiling == "clamp" and max_value is not None:
-            initial = min(initial, max_value)  # apex caps the initial scale at the maximum
-        set_(self, "initial_scale", initial)
+        set_(self, "floor_value", min_value)
+        set_(self, "initial_scale", 1.0 if self.mode == "guard" else _round_to(float(self.init_scale), storage))
+        _validate_rounded(self)
         set_(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)))
         set_(self, "_cache", {})
 
@@ -428,8 +441,6 @@ def _validate(c: ScalerConfig) -> None:
         raise _fail("init_scale", c.init_scale, "a finite number > 0")
     if c.mode == "guard" and c.init_scale != 1.0:
         raise _fail("init_scale", c.init_scale, "1 (or left out) with mode='guard', which never scales")
-    if c.scale_dtype == "float32" and _round_to(float(c.init_scale), "float32") in (0.0, math.inf):
-        raise _fail("init_scale", c.init_scale, "inside the float32 range [1.4e-45, 3.4e38]")
     if not _is_real(c.growth_factor) or not math.isfinite(c.growth_factor) or c.growth_factor <= 1:
         raise _fail("growth_factor", c.growth_factor, "a finite number > 1")
     if not _is_real(c.backoff_factor) or not 0 < c.backoff_factor < 1:
@@ -448,8 +459,8 @@ def _validate(c: ScalerConfig) -> None:
         raise _fail("growth_interval", c.growth_interval, f"an integer in [{lowest}, {INT32_MAX - 1}]")
     if not _is_int(c.hysteresis) or not 1 <= c.hysteresis <= INT32_MAX:
         raise _fail("hysteresis", c.hysteresis, "an integer >= 1")
-    if c.min_scale is not None and (not _is_real(c.min_scale) or not math.isfinite(c.min_scale) or c.min_scale < 0):
-        raise _fail("min_scale", c.min_scale, "None or a finite number >= 0")
+    if c.min_scale is not None and (not _is_real(c.min_scale) or not math.isfinite(c.min_scale) or c.min_scale <= 0):
+        raise _fail("min_scale", c.min_scale, "None or a finite number > 0")
     if c.max_scale is not None and (not _is_real(c.max_scale) or math.isnan(c.max_scale) or c.max_scale <= 0):
         raise _fail("max_scale", c.max_scale, "None or a number > 0")
     if c.min_scale is not None and c.max_scale is not None and c.min_scale > c.max_scale:
@@ -462,6 +473,45 @@ def _validate(c: ScalerConfig) -> None:
         hash(c.axis_name)
     except TypeError:
         raise _fail("axis_name", c.axis_name, "None or a hashable axis name (str or tuple of str)") from None
+
+
+def _validate_rounded(c: ScalerConfig) -> None:
+    """Raise ``ValueError`` for values that are valid as given but not as used: after rounding
+    to the scale's dtype (``scale_dtype``) and the factors' precision (``factor_precision``)."""
+    dtype = c.scale_dtype
+    lowest, highest = SCALE_RANGE[dtype]
+    span = f"[{lowest:.7g}, {highest:.7g}] (the normal {dtype} range)"
+    for name, value in (("min_scale", c.min_scale), ("max_scale", c.max_scale), ("init_scale", c.init_scale)):
+        if value is None or (name == "init_scale" and c.mode == "guard"):
+            continue
+        rounded = _round_to(float(value), dtype)
+        if not lowest <= rounded <= highest:
+            raise ValueError(
+                f"{name} must lie in {span} once rounded to scale_dtype={dtype!r}; got {value!r}, which "
+                f"becomes {rounded!r}"
+            )
+    if c.min_value > c.max_value:
+        raise ValueError(
+            f"min_scale must be <= max_scale once rounded to {dtype}; got {c.min_value!r} > {c.max_value!r}"
+        )
+    if c.mode == "dynamic" and not c.min_value <= c.initial_scale <= c.max_value:
+        raise ValueError(
+            f"init_scale must lie in [min_scale, max_scale] = [{c.min_value!r}, {c.max_value!r}]; got "
+            f"{c.init_scale!r} (an overflow would jump to the floor, or the first growth fall to the ceiling)"
+        )
+    precision = c.factor_precision
+    growth = c.growth_value
+    if not (math.isfinite(growth) and growth > 1 and _round_to(growth, dtype) > 1):
+        raise ValueError(
+            f"growth_factor must stay finite and > 1 once rounded to factor_precision={precision!r} and "
+            f"to scale_dtype={dtype!r}; got {c.growth_factor!r}, which becomes {growth!r}"
+        )
+    backoff = c.backoff_value
+    if c.backoff_rule == "multiply" and not (0 < backoff < 1 and 0 < _round_to(backoff, dtype) < 1):
+        raise ValueError(
+            f"backoff_factor must stay in (0, 1) once rounded to factor_precision={precision!r} and to "
+            f"scale_dtype={dtype!r}; got {c.backoff_factor!r}, which becomes {backoff!r}"
+        )
 
 
 _UNSET: Final = object()

@@ -6,8 +6,9 @@ loss_finite)`` to the next state with array-API operations only (``where``, ``ma
 ``minimum``, ``isfinite``): no Python branch on a value, no host transfer, so it traces under
 ``jax.jit`` and runs asynchronously on GPUs. Python ``if`` appears only on the static config.
 
-The algorithm, for one call of ``update(finite)`` in ``mode="dynamic"``::
+The algorithm, for one call of ``update(finite, loss_finite=...)`` in ``mode="dynamic"``::
 
+    finite = finite and loss_finite          # a non-finite scaled loss is an overflow
     t, h, s = growth_tracker, hysteresis_tracker, scale
     if finite:
         t = t + 1
@@ -113,16 +114,18 @@ def transition(
     Args:
         config: the static settings.
         state: the current state, in ``ops``'s value type.
-        finite: 0-d bool, true when the step's gradients (and loss) were all finite.
-        loss_finite: 0-d bool, true when the scaled loss was finite (``True`` when unchecked).
+        finite: 0-d bool, true when the step's gradients were all finite.
+        loss_finite: 0-d bool, true when the scaled loss was finite (``True`` when unchecked);
+            false makes the step an overflow (reason "loss") even if ``finite`` is true.
         ops: the operations of the backend holding ``state``.
 
     Returns:
         ``(next_state, floor_event)``; ``floor_event`` is a 0-d bool that is true when the step
         backed off (or would have) with the scale already at its floor.
     """
-    ok = ops.as_bool(finite)
     loss_ok = ops.as_bool(loss_finite)
+    # a scaled loss that is not finite makes the step an overflow, whatever the gradients said
+    ok = ops.logical_and(ops.as_bool(finite), loss_ok)
     bad = ops.logical_not(ok)
     scale = state.scale
     tracker = state.growth_tracker

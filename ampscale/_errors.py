@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "AliasedGradientsError",
     "AmpscaleError",
     "AmpscaleWarning",
     "PerformanceWarning",
@@ -35,6 +36,17 @@ class ScaleAtFloorError(AmpscaleError):
         self.scale = scale
         self.consecutive = consecutive
         self.step = step
+
+
+class AliasedGradientsError(AmpscaleError, ValueError):
+    """Two gradients share memory in part, so no unscale can change each value exactly once.
+
+    Raised before anything changes. The same buffer given twice (the same array, or views of
+    exactly the same elements with the same dtype) is not an error: it is unscaled once, and
+    every place in the tree shows the result. Partial overlap (``[g, g[2:]]``), the same bytes
+    seen as two dtypes, a read-only view of a gradient that is unscaled in place, or one array
+    whose elements share memory with each other (a stride of 0) is refused.
+    """
 
 
 class StateDictError(AmpscaleError, ValueError):

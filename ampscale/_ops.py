@@ -9,7 +9,17 @@ state never leaves the device.
 Both compute ``scale * factor`` the same way: in float64 (exactly what torch's kernels do with
 their ``double`` factors), rounded once to the scale's dtype. With float32 factors the float64
 product of two float32 values is exact and the division is rounded innocuously (53 >= 2*24 + 2
-bits), so the result equals a float32 multiply or divide bit for bit.
+bits), so the result equals a float32 multiply or divide bit for bit. The exact rules::
+
+    grow(s)   = c = round(s * growth)                  # round: to the scale dtype, nearest even
+                skip:  c if c is finite and c <= max_value else s
+                clamp: min(c, max_value)
+    shrink(s) = max(round(s * backoff), min_value)     # "divide": round(s / growth)
+
+``min_value``/``max_value`` are ``min_scale``/``max_scale`` rounded to the scale dtype, or that
+dtype's smallest normal / largest finite value when unset, so the scale is never 0, inf or nan.
+A floor that is a normal number also keeps backends that flush subnormals to zero (XLA on
+CPU, GPUs) in agreement with the host.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ampscale._codegen import python_transition
-from ampscale._config import INT32_MAX, INT32_MIN, _round_to
+from ampscale._config import FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to
 from ampscale._errors import AmpscaleWarning
 
 if TYPE_CHECKING:
@@ -133,9 +143,9 @@ class HostOps:
         c = self.config
         candidate = self._round(float(scale) * c.growth_value)
         if c.ceiling == "skip":
-            if not math.isfinite(candidate) or (c.max_value is not None and candidate > c.max_value):
+            if not math.isfinite(candidate) or candidate > c.max_value:
                 return scale
-        elif c.max_value is not None and candidate > c.max_value:
+        elif candidate > c.max_value:  # inf included: the ceiling is finite
             candidate = c.max_value
         return self.scale_type(candidate)
 
@@ -143,7 +153,7 @@ class HostOps:
         c = self.config
         wide = float(scale)
         candidate = self._round(wide / c.backoff_value if c.backoff_rule == "divide" else wide * c.backoff_value)
-        if c.min_value is not None and candidate < c.min_value:
+        if candidate < c.min_value:  # 0 included: the floor is positive
             candidate = c.min_value
         return self.scale_type(candidate)
 
@@ -171,13 +181,9 @@ class ArrayOps:
         self.device = device
         self._constants: dict[tuple[Any, ...], Any] | None = {} if cache_constants else None
         if config.scale_dtype == "float64" and not has_float64:
-            raise ValueError(
-                f"scale_dtype='float64' (the default of preset {config.preset!r}, whose system keeps "
-                "the scale in a Python float) needs float64 support, which this backend lacks "
-                "(for JAX: jax.config.update('jax_enable_x64', True)); pass scale_dtype='float32' "
-                "to keep the scale in float32 (the same trajectory while the scale stays within "
-                "the float32 range)"
-            )
+            # float32 stands in where it gives the same trajectory (see float32_stands_in)
+            config = float32_stand_in(config)
+            self.config = config
         self.storage = xp.float64 if config.scale_dtype == "float64" else xp.float32
         self.arithmetic = xp.float64 if has_float64 else xp.float32
         if not has_float64 and config.factor_precision == "float64":
@@ -196,8 +202,8 @@ class ArrayOps:
                 )
         self.growth = self._const(config.growth_value, self.arithmetic)
         self.backoff = self._const(config.backoff_value, self.arithmetic)
-        self.min_value = None if config.min_value is None else self.scale_constant(config.min_value)
-        self.max_value = None if config.max_value is None else self.scale_constant(config.max_value)
+        self.min_value = self.scale_constant(config.min_value)
+        self.max_value = self.scale_constant(config.max_value)
 
     def _const(self, value: Any, dtype: Any) -> Any:
         constants = self._constants
@@ -255,21 +261,64 @@ class ArrayOps:
         with np.errstate(over="ignore"):  # NumPy-backed namespaces warn on the intended inf
             candidate = xp.astype(xp.astype(scale, self.arithmetic) * self.growth, self.storage)
         if c.ceiling == "skip":
-            fits = xp.isfinite(candidate)
-            if self.max_value is not None:
-                fits = xp.logical_and(fits, candidate <= self.max_value)
+            fits = xp.logical_and(xp.isfinite(candidate), candidate <= self.max_value)
             return xp.where(fits, candidate, scale)
-        return candidate if self.max_value is None else xp.minimum(candidate, self.max_value)
+        return xp.minimum(candidate, self.max_value)
 
     def shrink(self, scale: Any) -> Any:
         xp, c = self.xp, self.config
         wide = xp.astype(scale, self.arithmetic)
         product = wide / self.backoff if c.backoff_rule == "divide" else wide * self.backoff
         candidate = xp.astype(product, self.storage)
-        return candidate if self.min_value is None else xp.maximum(candidate, self.min_value)
+        return xp.maximum(candidate, self.min_value)
 
 
 Ops = HostOps | ArrayOps
+
+
+def _is_power_of_two(value: float) -> bool:
+    mantissa, _ = math.frexp(value)
+    return mantissa == 0.5
+
+
+def float32_stand_in(config: ScalerConfig) -> ScalerConfig:
+    """``config`` with ``scale_dtype="float32"``, for a float64 preset on a backend without float64.
+
+    Allowed where the trajectory is provably the same: power-of-two factors and every bound
+    and initial scale exactly a normal float32. Products of normal powers of two stay exact in
+    float32 while they stay in its range, and rounding is then exact in both dtypes. What can
+    still differ is only where the float64 scale would leave float32's normal range (past
+    2**127 with no ``max_scale``, or below 2**-126 with no ``min_scale``), where the float32
+    scale stops at float32's largest finite or smallest normal value instead; there every
+    scaled loss or every unscaled gradient is already non-finite in float32 arithmetic.
+
+    Raises:
+        ValueError: the float32 trajectory could differ; names the values that prevent it.
+    """
+    reasons = []
+    for name, value in (("growth_factor", config.growth_value), ("backoff_factor", config.backoff_value)):
+        if not _is_power_of_two(value):
+            reasons.append(f"{name}={value!r} is not a power of two")
+    bounds: tuple[tuple[str, float | None], ...] = (
+        ("init_scale", config.init_scale),
+        ("min_scale", config.min_scale),
+        ("max_scale", config.max_scale),
+    )
+    for name, bound in bounds:
+        if bound is None:
+            continue
+        if _round_to(float(bound), "float32") != float(bound) or not FLOAT32_TINY <= float(bound) <= FLOAT32_MAX:
+            reasons.append(f"{name}={bound!r} is not exactly a normal float32")
+    if reasons:
+        raise ValueError(
+            f"scale_dtype='float64' (preset {config.preset!r}) needs float64, which this backend lacks "
+            "(for JAX: jax.config.update('jax_enable_x64', True)), and float32 would not give the same "
+            f"trajectory: {'; '.join(reasons)}. Enable float64, or pass scale_dtype='float32'"
+        )
+    cached = config._cache.get("float32-stand-in")
+    if cached is None:
+        cached = config._cache["float32-stand-in"] = config.replace(scale_dtype="float32")
+    return cached  # type: ignore[no-any-return]
 
 
 class PlainNamespace:

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import collections
+import importlib.abc
+import importlib.util
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
     from ampscale.backends._base import Backend
 
 __all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler"]
+
+#: ScaleAtFloorErrors raised inside traced (jitted) steps, newest last (see ampscale.jax.floor_errors)
+TRACED_FLOOR_ERRORS: collections.deque[ScaleAtFloorError] = collections.deque(maxlen=64)
 
 
 class StepOutcome(NamedTuple):
@@ -91,15 +97,22 @@ class Scaler:
         1024.0
     """
 
-    __slots__ = ("_backend", "_config", "_state")
+    __slots__ = ("_backend", "_config", "_scale_floor", "_state")
     _config: ScalerConfig
     _state: Any  # a ScalerState, or a backend's packed form of one (see Backend.pack)
     _backend: Backend | None
+    #: a lower bound of the scale known on the host, for a state on a device (None: unknown);
+    #: it lets a backend whose kernel checks the inputs skip checking the unscaled values while
+    #: the scale is at least 1 (see Backend.check_and_unscale_bounded). Not part of the state.
+    _scale_floor: float | None
 
-    def __init__(self, config: ScalerConfig, state: Any = None, backend: Backend | None = None):
+    def __init__(
+        self, config: ScalerConfig, state: Any = None, backend: Backend | None = None, scale_floor: float | None = None
+    ):
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_scale_floor", scale_floor)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Scaler is immutable; use update(), step() or replace() ({name!r})")
@@ -180,6 +193,24 @@ class Scaler:
             return backend.make_state(initial_values(self._config), self._config, like)
         return state
 
+    def _floor_hint(self) -> float | None:
+        """A lower bound of the current scale known on the host (``None``: unknown)."""
+        if self._state is None:
+            return self._config.initial_scale
+        return self._scale_floor
+
+    def _next_floor_hint(self, floor: float | None) -> float | None:
+        """The bound after one more update whose outcome the host does not know: one backoff."""
+        if floor is None or not self._config.dynamic:
+            return floor
+        from ampscale._ops import HostOps
+
+        ops = self._config._cache.get("host")
+        if ops is None:
+            ops = self._config._cache["host"] = HostOps(self._config)
+        # shrink() is monotone and never above its argument, and growth never lowers the scale
+        return float(ops.shrink(floor))
+
     # -- the scale interface ------------------------------------------------------------
     def scale(self, loss: Any) -> Any:
         """Multiply ``loss`` by the current scale (same array type and device as ``loss``).
@@ -240,7 +271,7 @@ class Scaler:
         group = config.axis_name if axis_name is _UNSET else axis_name
         if group is None and not underflow and leaves:
             # CUDA: check, unscale and the state transition in one launch (or two on torch)
-            fused = backend.fused_unscale(config, state, leaves, loss)
+            fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
             if fused is not None:
                 new_leaves, finite, loss_finite = fused
                 return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
@@ -257,7 +288,7 @@ class Scaler:
         elif count:
             new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
         else:
-            new_leaves, finite = backend.check_and_unscale(leaves, inv)
+            new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
         loss_finite = None if loss is None else backend.all_finite([loss])
         if group is not None:
             finite = backend.agree(finite, group)
@@ -275,8 +306,9 @@ class Scaler:
 
         Args:
             finite: 0-d bool (array or Python bool): false when the step overflowed.
-            loss_finite: optional 0-d bool: false when the scaled loss itself overflowed, so the
-                outcome and counters record the reason (:meth:`step` passes it for you).
+            loss_finite: optional 0-d bool: false when the scaled loss itself overflowed. The
+                step is then an overflow whatever ``finite`` says, and the outcome and counters
+                record the reason (:meth:`step` passes it for you).
 
         Raises:
             ScaleAtFloorError: with ``on_floor="raise"``, when the step overflowed with the scale
@@ -309,11 +341,17 @@ class Scaler:
                 backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
-        return Scaler(config, new_state, backend)
+        return Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
 
     def _react_to_floor_traced(self, floor_event: Any, *values: Any) -> None:
         if bool(floor_event):
-            self._react_to_floor(ScalerState(*(v.item() for v in values)))
+            try:
+                self._react_to_floor(ScalerState(*(v.item() for v in values)))
+            except ScaleAtFloorError as exc:
+                # JAX reports it as its own runtime error; ampscale.jax.floor_errors() finds the
+                # original here and raises it in its place
+                TRACED_FLOOR_ERRORS.append(exc)
+                raise
 
     def _react_to_floor(self, values: ScalerState) -> None:
         config = self._config
@@ -369,9 +407,18 @@ class Scaler:
         Returns:
             ``(params, opt_state, scaler)``: on an overflowing step ``params`` and ``opt_state``
             are the inputs, bitwise, and the returned scaler has backed off.
+
+        Raises:
+            Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying that
+                writable gradients were already unscaled in place and stay so (they cannot be
+                restored exactly), and that the scaler was not updated.
         """
         grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
-        new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
+        try:
+            new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
+        except Exception as exc:
+            _note_unscaled(exc, backend)
+            raise
         return new_params, new_opt_state, self._update(backend, finite, loss_finite)
 
     # -- host reads ---------------------------------------------------------------------------
@@ -391,7 +438,10 @@ class Scaler:
                 "(jax.jit, pmap, scan, vmap); inside the trace use scaler.state.scale, a 0-d array "
                 "(log it by returning it from the traced function)"
             )
-        return float(scale)
+        value = float(scale)
+        if not self._backend.host(self._state):
+            object.__setattr__(self, "_scale_floor", value)  # a read is exact: refresh the hint
+        return value
 
     def get_stats(self) -> dict[str, Any]:
         """The counters as plain Python values, for logging (a host read, like ``get_scale``).
@@ -426,11 +476,14 @@ class Scaler:
     def _host_values(self) -> ScalerState:
         if self._state is None or self._backend is None:
             return initial_values(self._config)
-        return self._backend.read_state(self._state)
+        values = self._backend.read_state(self._state)
+        if not self._backend.host(self._state):
+            object.__setattr__(self, "_scale_floor", float(values.scale))  # refresh the hint
+        return values
 
     def replace(self, **settings: Any) -> Scaler:
         """A scaler with some settings changed and the same state (settings are validated)."""
-        return Scaler(self._config.replace(**settings), self._state, self._backend)
+        return Scaler(self._config.replace(**settings), self._state, self._backend, self._scale_floor)
 
     def state_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable, versioned dict of the settings and state (a host read).
@@ -461,7 +514,30 @@ class Scaler:
             return _PendingScaler(config, values, backend)
         assert backend is not None
         like = None if self._state is None else backend.scale_of(self._state)
-        return Scaler(config, backend.make_state(values, config, like), backend)
+        return Scaler(config, backend.make_state(values, config, like), backend, float(values.scale))
+
+
+def _note_unscaled(exc: BaseException, backend: Backend) -> None:
+    """Tell the user of an exception from ``update_fn`` what state the gradients are in.
+
+    Restoring them exactly is impossible in general (``x / s * s`` is not always ``x``, and a
+    copy would cost memory on every step), so the exception says it (``add_note``; Python 3.10
+    has none, and the docs say it there).
+    """
+    if backend.in_place:
+        note = (
+            "ampscale: update_fn raised inside Scaler.step(); the gradients had already been unscaled "
+            "in place (multiplied by 1/scale) and stay so; the scaler was not updated. Do not unscale "
+            "them again."
+        )
+    else:
+        note = (
+            "ampscale: update_fn raised inside Scaler.step(); the gradients passed in are unchanged "
+            "(unscaled copies were made) and the scaler was not updated."
+        )
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
 
 
 def _check_flag(flag: Any, name: str) -> None:
@@ -481,13 +557,25 @@ def _check_flag(flag: Any, name: str) -> None:
 
 
 def _probe_leaves(tree: Any) -> list[Any]:
-    """Some leaves of ``tree``, to detect its backend (JAX pytrees flattened by JAX)."""
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        return list(jax.tree_util.tree_leaves(tree))
+    """The leaves of ``tree``, to detect its backend, the same whether or not JAX is imported.
+
+    Plain containers are flattened by ampscale itself (JAX would sort dict keys, and fail on
+    ``{1: a, "b": b}``); only an object that is no array of any backend is handed to JAX, if it
+    is imported, in case it is a registered pytree (a flax struct, an optax state, ...).
+    """
     from ampscale import _tree
 
-    return _tree.flatten(tree)[0]
+    leaves = _tree.flatten(tree)[0]
+    jax = sys.modules.get("jax")
+    if jax is None or all(backend_of(leaf) is not None for leaf in leaves):
+        return leaves
+    out = []
+    for leaf in leaves:
+        if backend_of(leaf) is None:
+            out.extend(jax.tree_util.tree_leaves(leaf))
+        else:
+            out.append(leaf)
+    return out
 
 
 class _PendingScaler(Scaler):
@@ -505,6 +593,12 @@ class _PendingScaler(Scaler):
 
     def get_scale(self) -> float:
         return float(self._values.scale)
+
+    def _floor_hint(self) -> float | None:
+        return float(self._values.scale)
+
+    def _host_values(self) -> ScalerState:
+        return self._values
 
     def state_dict(self) -> dict[str, Any]:
         from ampscale._state_dict import to_state_dict
@@ -614,13 +708,9 @@ def create_scaler(
     )
     resolved = None if backend is None else get_backend(backend)
     if resolved is None:
-        # A JAX user may pass the scaler straight into jax.jit: make it a pytree now if JAX is
-        # already imported (never import it otherwise).
-        if "jax" in sys.modules:
-            get_backend("jax")
-        return Scaler(config)
+        return Scaler(config)  # a pytree for JAX whenever JAX is imported (register_with_jax)
     state = None if resolved.lazy_state else resolved.make_state(initial_values(config), config)
-    return Scaler(config, state, resolved)
+    return Scaler(config, state, resolved, config.initial_scale)
 
 
 def all_finite(tree: Any, *, backend: Any = None) -> Any:
@@ -643,3 +733,51 @@ def all_finite(tree: Any, *, backend: Any = None) -> Any:
     if not leaves:
         return resolved.as_bool(True)
     return resolved.all_finite(leaves)
+
+
+def register_with_jax() -> None:
+    """Make :class:`Scaler` a JAX pytree as soon as JAX is imported, before or after ampscale.
+
+    A scaler created before ``import jax`` can then be passed to ``jax.jit`` all the same. JAX
+    is never imported here: if it is not imported yet, a one-shot import hook registers the
+    pytree right after ``import jax`` completes.
+    """
+    if "jax" in sys.modules:
+        _register_now()
+        return
+    if not any(isinstance(finder, _JaxImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _JaxImportHook())
+
+
+def _register_now() -> None:
+    try:
+        get_backend("jax")  # the adapter registers the Scaler classes with jax.tree_util
+    except Exception:  # a JAX the adapter cannot use: its first use will say why
+        return
+
+
+class _JaxImportHook(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register_now` once, right after the module ``jax`` has been executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "jax":
+            return None
+        try:
+            sys.meta_path.remove(self)  # one shot, and find the real spec with the other finders
+        except ValueError:  # another thread's import of jax got here first
+            return None
+        spec = importlib.util.find_spec("jax")
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _register_now()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+register_with_jax()

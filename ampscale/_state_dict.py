@@ -18,8 +18,12 @@ under ``"ampscale"``::
 
 :func:`from_state_dict` also accepts a dict saved by ``torch.amp.GradScaler`` (the five keys
 only): like torch, it replaces the growth and backoff settings and the tracker, and keeps the
-scaler's other settings. Every key is checked before anything is built; a bad dict raises
-:class:`~ampscale.StateDictError` naming the key, the value and what is accepted.
+scaler's other settings. Every key is checked before anything is built, and every value as it
+will be used (a scale rounded to the scale's dtype must lie in ``[min_scale, max_scale]``,
+counters in their ranges and consistent with each other, ``last_reason`` one of the codes,
+torch's keys beside the ``"ampscale"`` entry equal to it, no unknown key); a bad dict raises
+:class:`~ampscale.StateDictError` naming the key, the value and what is accepted, and nothing
+is loaded.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import math
 import numbers
 from typing import Any, Final
 
-from ampscale._config import _SETTINGS, PRESETS, ScalerConfig, make_config
-from ampscale._core import INT_FIELDS, ScalerState, initial_values
+from ampscale._config import _SETTINGS, PRESETS, ScalerConfig, _round_to, make_config
+from ampscale._core import INT_FIELDS, REASONS, ScalerState, initial_values
 from ampscale._errors import StateDictError
 
 __all__ = ["FORMAT_VERSION", "from_state_dict", "to_state_dict"]
@@ -74,15 +78,21 @@ def _bad(key: str, value: Any, accepted: str) -> StateDictError:
     return StateDictError(f"state dict key {key!r} must be {accepted}; got {value!r}")
 
 
-def _check_scale(key: str, value: Any) -> float:
-    if not _is_number(value) or math.isnan(value) or value < 0:
-        raise _bad(key, value, "a number >= 0")
-    return float(value)
+def _check_scale(key: str, value: Any, config: ScalerConfig) -> float:
+    """A scale as it will be used: rounded to the scale's dtype, within the config's bounds."""
+    low, high = config.min_value, config.max_value
+    accepted = f"a number in [{low!r}, {high!r}] (min_scale to max_scale, in {config.scale_dtype})"
+    if not _is_number(value) or not math.isfinite(value):
+        raise _bad(key, value, accepted)
+    rounded = _round_to(float(value), config.scale_dtype)
+    if not low <= rounded <= high:
+        raise _bad(key, value, accepted)
+    return rounded
 
 
-def _check_int32(key: str, value: Any) -> int:
-    if not _is_int(value) or not _INT32[0] <= value <= _INT32[1]:
-        raise _bad(key, value, f"an integer in [{_INT32[0]}, {_INT32[1]}]")
+def _check_counter(key: str, value: Any, low: int, high: int = _INT32[1]) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise _bad(key, value, f"an integer in [{low}, {high}]")
     return int(value)
 
 
@@ -100,7 +110,12 @@ def from_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConfi
     if not state_dict:
         raise StateDictError("the state dict is empty (torch.amp.GradScaler returns {} when disabled); nothing to load")
     if "ampscale" in state_dict:
-        return _from_ampscale(state_dict["ampscale"], current)
+        unknown = sorted(map(repr, set(state_dict) - {"ampscale", *_TORCH_KEYS}))
+        if unknown:
+            raise StateDictError(f"state dict has unknown key(s) {', '.join(unknown)}")
+        config, values = _from_ampscale(state_dict["ampscale"], current)
+        _check_torch_keys(state_dict, config, values)
+        return config, values
     return _from_torch(state_dict, current)
 
 
@@ -111,11 +126,12 @@ def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[Scal
             f"state dict misses key(s) {missing}: expected ampscale's format (with an 'ampscale' "
             f"key) or torch.amp.GradScaler's keys {list(_TORCH_KEYS)}; got keys {sorted(state_dict)}"
         )
-    scale = _check_scale("scale", state_dict["scale"])
+    unknown = sorted(map(repr, set(state_dict) - set(_TORCH_KEYS)))
+    if unknown:
+        raise StateDictError(f"state dict has unknown key(s) {', '.join(unknown)}; accepted: {list(_TORCH_KEYS)}")
     for key in ("growth_factor", "backoff_factor"):
         if not _is_number(state_dict[key]):
             raise _bad(key, state_dict[key], "a number")
-    tracker = _check_int32("_growth_tracker", state_dict["_growth_tracker"])
     interval = state_dict["growth_interval"]
     if not _is_int(interval):
         raise _bad("growth_interval", interval, "an integer")
@@ -127,6 +143,8 @@ def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[Scal
         )
     except ValueError as exc:
         raise StateDictError(f"state dict holds invalid settings: {exc}") from exc
+    scale = _check_scale("scale", state_dict["scale"], config)
+    tracker = _check_counter("_growth_tracker", state_dict["_growth_tracker"], -config.first_growth_delay)
     values = initial_values(config)._replace(scale=scale, last_scale=scale, growth_tracker=tracker)
     return config, values
 
@@ -142,8 +160,11 @@ def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, S
             f"state dict has format version {version}, newer than the {FORMAT_VERSION} this "
             "ampscale reads; upgrade ampscale to load it"
         )
+    unknown = sorted(map(repr, set(payload) - {"version", "preset", "settings", "state"}))
+    if unknown:
+        raise StateDictError(f"state dict has unknown key(s) {', '.join(unknown)} under 'ampscale'")
     preset = payload.get("preset")
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         raise _bad("ampscale.preset", preset, f"one of {sorted(PRESETS)}")
     settings = payload.get("settings")
     if not isinstance(settings, dict):
@@ -162,19 +183,72 @@ def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, S
     state = payload.get("state")
     if not isinstance(state, dict):
         raise _bad("ampscale.state", state, "a dict")
+    unknown = sorted(map(repr, set(state) - set(ScalerState._fields)))
+    if unknown:
+        raise StateDictError(
+            f"state dict has unknown key(s) {', '.join(unknown)} under 'ampscale.state'; accepted: "
+            f"{list(ScalerState._fields)}"
+        )
     defaults = initial_values(config)
     values: dict[str, Any] = {}
     for name, default in zip(ScalerState._fields, defaults, strict=True):
+        key = f"ampscale.state.{name}"
         if name not in state:
             if name in ("scale", "growth_tracker"):
-                raise StateDictError(f"state dict misses key 'ampscale.state.{name}'")
+                raise StateDictError(f"state dict misses key {key!r}")
             values[name] = default  # fields added in later versions keep their initial value
             continue
         value = state[name]
-        if name in INT_FIELDS:
-            values[name] = _check_int32(f"ampscale.state.{name}", value)
+        if name in ("scale", "last_scale"):
+            values[name] = _check_scale(key, value, config)
+        elif name == "growth_tracker":
+            values[name] = _check_counter(key, value, -config.first_growth_delay)
+        elif name == "hysteresis_tracker":
+            values[name] = _check_counter(key, value, _INT32[0], config.hysteresis)
+        elif name == "last_reason":
+            if not _is_int(value) or value not in REASONS:
+                raise _bad(key, value, f"one of {sorted(REASONS)} ({', '.join(map(repr, REASONS.values()))})")
+            values[name] = int(value)
         else:
-            values[name] = _check_scale(f"ampscale.state.{name}", value)
+            assert name in INT_FIELDS
+            values[name] = _check_counter(key, value, 0)
     if "last_scale" not in state:
         values["last_scale"] = values["scale"]
+    _check_counts(values, state)
     return config, ScalerState(**values)
+
+
+def _check_counts(values: dict[str, Any], given: dict[str, Any]) -> None:
+    """Counters that contradict each other (a saturated counter is exempt: it stopped)."""
+    counted = ("steps", "skipped_steps", "loss_overflows", "grad_overflows")
+    if any(values[name] == _INT32[1] for name in counted):
+        return
+    if values["skipped_steps"] > values["steps"]:
+        raise StateDictError(
+            f"state dict key 'ampscale.state.skipped_steps' ({values['skipped_steps']}) exceeds "
+            f"'ampscale.state.steps' ({values['steps']})"
+        )
+    parts = values["loss_overflows"] + values["grad_overflows"]
+    if set(counted[1:]) <= set(given) and parts != values["skipped_steps"]:
+        raise StateDictError(
+            "state dict keys 'ampscale.state.loss_overflows' + 'grad_overflows' "
+            f"({values['loss_overflows']} + {values['grad_overflows']}) must equal 'skipped_steps' "
+            f"({values['skipped_steps']})"
+        )
+
+
+def _check_torch_keys(state_dict: dict[str, Any], config: ScalerConfig, values: ScalerState) -> None:
+    """torch's keys beside an ``"ampscale"`` entry must say what the entry says."""
+    written = to_state_dict(config, values)
+    for key in _TORCH_KEYS:
+        if key in state_dict and not _same(state_dict[key], written[key]):
+            raise StateDictError(
+                f"state dict key {key!r} ({state_dict[key]!r}) disagrees with the 'ampscale' entry, which "
+                f"says {written[key]!r}: edit both, or remove the top-level key"
+            )
+
+
+def _same(given: Any, expected: Any) -> bool:
+    if isinstance(given, bool) or not isinstance(given, numbers.Real):
+        return False
+    return bool(given == expected)

@@ -35,9 +35,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -45,7 +46,8 @@ import jax.numpy as jnp
 
 from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config
 from ampscale._core import ScalerState, initial_values
-from ampscale._scaler import Scaler
+from ampscale._errors import ScaleAtFloorError
+from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
 from ampscale.backends.jax import BACKEND
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "DynamicScaleResult",
     "LossScaleState",
     "ScaledGrad",
+    "floor_errors",
     "loss_scaled",
     "scaler_of",
     "value_and_grad",
@@ -542,3 +545,39 @@ def scaler_of(opt_state: Any) -> Scaler:
     if not found:
         raise ValueError("opt_state holds no LossScaleState: build the optimizer with ampscale.jax.loss_scaled")
     return found[0]
+
+
+@contextlib.contextmanager
+def floor_errors() -> Iterator[None]:
+    """Raise :class:`ampscale.ScaleAtFloorError` for an ``on_floor="raise"`` inside ``jax.jit``.
+
+    Under ``jax.jit`` the floor reaction runs in a host callback, and JAX reports an exception
+    raised there as its own ``jax.errors.JaxRuntimeError``, at the next point that waits for the
+    result (``block_until_ready``, a host read, or a later dispatch). Around the code that
+    waits, this context manager raises the original ``ScaleAtFloorError`` in its place, chained
+    to JAX's error; other errors pass through unchanged::
+
+        with ampscale.jax.floor_errors():
+            params, scaler = train_step(params, scaler, batch)
+            jax.block_until_ready(scaler)
+
+    Without it, catch ``jax.errors.JaxRuntimeError``: its message holds the reaction's message.
+    Eagerly (no ``jit``) the ``ScaleAtFloorError`` is raised directly by ``update``/``step``.
+    """
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        original = _floor_error_in(exc)
+        if original is None:
+            raise
+        raise original from exc
+
+
+def _floor_error_in(exc: BaseException) -> ScaleAtFloorError | None:
+    """The ``ScaleAtFloorError`` that JAX's error ``exc`` reports, if any (taken off the record)."""
+    text = str(exc)
+    for error in reversed(TRACED_FLOOR_ERRORS):
+        if str(error) in text:
+            TRACED_FLOOR_ERRORS.remove(error)
+            return error
+    return None

@@ -121,7 +121,7 @@ def cases(workload: str) -> list[Case]:
     # One config (static under jit), two current scales: the second is a loaded checkpoint.
     first = ampscale.create_scaler(backend="jax", init_scale=SCALES[0], growth_interval=10**9)
     saved = first.state_dict()
-    saved["ampscale"]["state"]["scale"] = saved["ampscale"]["state"]["last_scale"] = SCALES[1]
+    saved["ampscale"]["state"]["scale"] = saved["ampscale"]["state"]["last_scale"] = saved["scale"] = SCALES[1]
     scalers = [first, first.load_state_dict(saved)]
 
     status = jax_backend.custom_call_status()

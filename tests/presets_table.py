@@ -7,9 +7,13 @@ import math
 import ampscale
 
 
-def _num(value: float | None) -> str:
+def _num(value: float | None, dtype: str = "float32") -> str:
     if value is None:
         return "none"
+    if dtype == "float64" and value == ampscale._config.FLOAT64_TINY:
+        return "f64 tiny"
+    if dtype == "float64" and value == ampscale._config.FLOAT64_MAX:
+        return "f64 max"
     if value == ampscale._config.FLOAT32_MAX:
         return "f32 max"
     if value == ampscale._config.FLOAT32_TINY:
@@ -36,16 +40,14 @@ def rows() -> list[str]:
             hyst = "1"
         else:
             hyst = f"{c.hysteresis} ({c.hysteresis_mode})"
-        ceiling = (
-            "skip if not finite"
-            if c.ceiling == "skip"
-            else (f"clamp to {_num(c.max_scale)}" if c.max_scale is not None else "none (may reach inf)")
-        )
+        dtype = c.scale_dtype
+        ceiling = "skip if not finite" if c.ceiling == "skip" else f"clamp to {_num(c.max_value, dtype)}"
         if c.ceiling == "skip" and c.max_scale is not None:
             ceiling = f"skip above {_num(c.max_scale)}"
+        floor = _num(c.min_scale) if c.min_scale is not None else f"{_num(c.min_value, dtype)} (none)"
         out.append(
             f"| `{name}` | {preset.system} | {_num(c.init_scale)} | x{c.growth_factor:g} / {backoff} | {grows} "
-            f"| {hyst} | {_num(c.min_scale)} | {ceiling} | {c.counter_rule} | {c.scale_dtype} "
+            f"| {hyst} | {floor} | {ceiling} | {c.counter_rule} | {c.scale_dtype} "
             f"| {c.on_floor} |"
         )
     return out

@@ -35,8 +35,8 @@ def test_numpy_training_step_pulls_in_no_framework() -> None:
 def test_public_surface() -> None:
     assert sorted(ampscale.__all__) == sorted(
         [
-            "FORMAT_VERSION", "PRESETS", "AmpscaleError", "AmpscaleWarning", "Diagnosis", "FloorEvent",
-            "LeafReport", "OverflowReport", "PerformanceWarning", "Preset", "ScaleAtFloorError",
+            "FORMAT_VERSION", "PRESETS", "AliasedGradientsError", "AmpscaleError", "AmpscaleWarning", "Diagnosis",
+            "FloorEvent", "LeafReport", "OverflowReport", "PerformanceWarning", "Preset", "ScaleAtFloorError",
             "ScaleAtFloorWarning", "Scaler", "ScalerConfig", "ScalerState", "StateDictError", "StepOutcome",
             "__version__", "all_finite", "available_backends", "create_scaler", "diagnose", "doctor",
             "get_backend",

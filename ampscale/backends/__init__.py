@@ -9,6 +9,7 @@ already loaded since the user holds one of its arrays).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,8 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
 _TYPE_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax", "cupy": "cupy"}
 
 _loaded: dict[str, Backend] = {}
-_namespaces: dict[int, Backend] = {}
+#: namespace module -> its generic backend (keyed by the module itself: an id() could be reused)
+_namespaces: dict[Any, Backend] = {}
 
 
 def available_backends() -> list[str]:
@@ -52,12 +54,12 @@ def get_backend(spec: Any) -> Backend:
         return spec
     if isinstance(spec, str):
         if spec not in _ADAPTERS:
-            namespace = _import_namespace(spec)
+            namespace = _imported_namespace(spec)
             if namespace is not None:
                 return get_backend(namespace)
             raise ValueError(
-                f"backend must be one of {sorted(_ADAPTERS)}, an array-API namespace, or None "
-                f"(detect from the arrays); got {spec!r}"
+                f"backend must be one of {sorted(_ADAPTERS)}, the name of an array-API namespace "
+                f"already imported, a namespace module, or None (detect from the arrays); got {spec!r}"
             )
         return _load(spec)
     namespace_name = getattr(spec, "__name__", None)
@@ -77,13 +79,14 @@ def get_backend(spec: Any) -> Backend:
     )
 
 
-def _import_namespace(name: str) -> Any:
-    """An importable module named ``name`` that looks like an array-API namespace, or None."""
-    if not name.replace(".", "").replace("_", "").isalnum():
-        return None
-    try:
-        module = importlib.import_module(name)
-    except ImportError:
+def _imported_namespace(name: str) -> Any:
+    """The module ``name``, if it is already imported and looks like an array-API namespace.
+
+    A name is only looked up, never imported: importing a module runs its code, and a backend
+    name is not a request to run anything (``backend="this"`` must not print the Zen of Python).
+    """
+    module = sys.modules.get(name)
+    if module is None:
         return None
     if hasattr(module, "asarray") and hasattr(module, "isfinite") and hasattr(module, "__array_api_version__"):
         return module
@@ -109,12 +112,16 @@ def _load(name: str) -> Backend:
 
 
 def _generic(namespace: Any) -> Backend:
-    backend = _namespaces.get(id(namespace))
+    try:
+        backend = _namespaces.get(namespace)
+    except TypeError:  # an unhashable namespace object: not cached
+        backend = None
     if backend is None:
         from ampscale.backends.array_api import ArrayApiBackend
 
         backend = ArrayApiBackend(namespace)
-        _namespaces[id(namespace)] = backend
+        with contextlib.suppress(TypeError):
+            _namespaces[namespace] = backend
     return backend
 
 

@@ -10,19 +10,54 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ampscale import _tree
 from ampscale._core import INT_FIELDS, ScalerState, transition
+from ampscale._errors import AliasedGradientsError
 from ampscale._ops import ArrayOps, HostOps
 from ampscale.backends._packed import PackedState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from ampscale._config import ScalerConfig
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "may_overlap_itself"]
+
+
+def may_overlap_itself(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether an array's elements may share memory (``strides`` in the unit of ``itemsize``).
+
+    False is certain: with its axes sorted by stride, each stride reaches past everything the
+    smaller axes span. True means some elements may coincide (a stride of 0, ``as_strided``
+    layouts); an unscale in place could then change a location more than once.
+    """
+    reach = itemsize
+    for stride, size in sorted((abs(st), n) for st, n in zip(strides, shape, strict=True) if n > 1):
+        if stride < reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def overlap_error(first: int, second: int) -> AliasedGradientsError:
+    """The error for two gradients (leaf indices in tree order) that share memory in part."""
+    return AliasedGradientsError(
+        f"gradients [{first}] and [{second}] (in tree order) share memory in part: unscaling both "
+        "would change the shared values twice, and no order of the two is right. Pass each buffer "
+        "once (the same array twice is fine: it is unscaled once)"
+    )
+
+
+def internal_overlap_error(index: int, shape: Any, strides: Any, remedy: str) -> AliasedGradientsError:
+    """The error for a gradient whose own elements may share memory (a stride of 0)."""
+    return AliasedGradientsError(
+        f"gradient [{index}] (in tree order) has elements that share memory (strides {tuple(strides)} "
+        f"for shape {tuple(shape)}): unscaling it in place would change them more than once; pass a "
+        f"copy ({remedy})"
+    )
 
 
 class Backend(abc.ABC):
@@ -138,12 +173,20 @@ class Backend(abc.ABC):
         narrow = ("float16", "bfloat16")
         return [xp.astype(leaf, xp.float32) if self.dtype_name(leaf) in narrow else leaf for leaf in leaves]
 
+    def check_and_unscale_bounded(
+        self, leaves: Sequence[Any], inv_scale: Any, scale_floor: float | None
+    ) -> tuple[list[Any], Any]:
+        """:meth:`check_and_unscale`, told ``scale_floor``: a lower bound of a device scale known
+        on the host (``None``: unknown). A backend whose kernel checks the inputs uses it to skip
+        the check of the values written while the scale is at least 1."""
+        return self.check_and_unscale(leaves, inv_scale)
+
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         """A 0-d bool: whether every element of every leaf is finite."""
         return self.check_and_unscale(leaves, None)[1]
 
     def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
     ) -> tuple[list[Any], Any, Any] | None:
         """Check and unscale ``leaves`` (and check ``loss``) with the state transition in the same
         launch, where a backend can (CUDA); ``None`` otherwise (the default).
@@ -151,6 +194,8 @@ class Backend(abc.ABC):
         Returns ``(leaves, finite, loss_finite)``: ``finite`` already includes the loss, and
         :meth:`run_transition` given these very flag objects returns the next state computed
         with them, without another launch. ``loss_finite`` is ``None`` when ``loss`` is.
+        ``scale_floor``: a lower bound of the scale known on the host (see
+        :meth:`check_and_unscale_bounded`).
         """
         return None
 
@@ -243,7 +288,8 @@ class Backend(abc.ABC):
         finite = self.as_bool(finite, fields.scale)
         # ops' own constant for an unchecked loss: on torch and CuPy devices, made once
         loss_ok = ops.as_bool(True) if loss_finite is None else self.as_bool(loss_finite, fields.scale)
-        new_fields, floor_event = transition(config, fields, finite, loss_ok, ops)
+        # ops may run a float32 stand-in of a float64 config (see ampscale._ops.float32_stand_in)
+        new_fields, floor_event = transition(getattr(ops, "config", config), fields, finite, loss_ok, ops)
         return self.pack(new_fields), new_fields, floor_event
 
     def scale_of(self, state: Any) -> Any:

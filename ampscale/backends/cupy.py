@@ -287,8 +287,9 @@ class CupyBackend(Backend, CudaStep):
         return rows, strided
 
     def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
     ) -> tuple[list[Any], Any, Any] | None:
+        # scale_floor is not needed: ampscale's kernel checks the values it writes
         if not isinstance(state, PackedState):
             return None
         device_id = state.buffer.data.device_id

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ampscale._config import ScalerConfig
+from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps, PlainNamespace
 from ampscale.backends import _jax_custom_call
@@ -183,6 +183,14 @@ class JaxBackend(Backend):
         self, values: ScalerState, config: ScalerConfig, like: Any = None, previous: Any = None
     ) -> PackedState:
         ops = self.ops(config, None)
+        if ops.config is not config:  # a float32 stand-in for a float64 scale: exact values only
+            for name in _SCALE_FIELDS:
+                value = float(getattr(values, name))
+                if _round_to(value, "float32") != value:
+                    raise ValueError(
+                        f"{name}={value!r} of a scale_dtype='float64' state is not exactly a float32, and "
+                        "this JAX has no float64 (jax.config.update('jax_enable_x64', True) to load it)"
+                    )
         return PackedState(
             jnp.asarray([getattr(values, f) for f in _SCALE_FIELDS], dtype=ops.storage),
             jnp.asarray([getattr(values, f) for f in _COUNTER_FIELDS], dtype=jnp.int32),

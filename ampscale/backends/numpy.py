@@ -22,7 +22,7 @@ from ampscale._config import ScalerConfig
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._errors import PerformanceWarning
 from ampscale._ops import HostOps
-from ampscale.backends._base import Backend
+from ampscale.backends._base import Backend, internal_overlap_error, may_overlap_itself, overlap_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -52,6 +52,7 @@ def _native_kind(dtype: Any) -> int | None:
         return kind
 
 
+_byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds  # moved in NumPy 2
 _BLOCK = 1 << 16  # elements per block on the pure-NumPy path (fits in L2 with room to spare)
 _warned_no_native = False
 _inverses: dict[float, float] = {}
@@ -135,6 +136,13 @@ class NumpyBackend(Backend):
             groups = {}
             for index, dtype in enumerate(dtypes):
                 groups.setdefault(dtype, []).append(index)  # type: ignore[union-attr]
+        skip: set[int] = set()
+        if multiply and (len(groups) > 1 or _native_kind(dtypes[0]) is None):
+            # Several kernel calls: aliasing across them is found here, before any of them runs
+            # (one call finds it among its own buffers, in C).
+            skip = _aliases(leaves)
+            if skip:
+                groups = {d: [i for i in ix if i not in skip] for d, ix in groups.items()}
         finite = True
         leftovers: list[int] = []
         for dtype, indices in groups.items():
@@ -152,8 +160,15 @@ class NumpyBackend(Backend):
                     _tiny[0] += count
                     continue
                 finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
+            except _native.OverlapError as exc:
+                first, second = (indices[i] for i in exc.args)
+                raise overlap_error(first, second) from None
             except (BufferError, ValueError, TypeError):
-                # Some arrays are strided or read-only: run the kernel on the others.
+                # Some arrays are strided or read-only: run the kernel on the others, once it is
+                # known that no location is reached twice (nothing has changed yet).
+                if multiply and not skip:
+                    skip = _aliases(leaves)
+                    indices = [i for i in indices if i not in skip]
                 usable = [i for i in indices if _native_ok(leaves[i], multiply)]
                 rest = [i for i in indices if not _native_ok(leaves[i], multiply)]
                 if usable:
@@ -212,7 +227,8 @@ class NumpyBackend(Backend):
         if inverse is None:
             if len(_inverses) > 1024:
                 _inverses.clear()
-            inverse = _inverses[scale] = float(np.float32(1.0 / float(scale)))
+            with np.errstate(over="ignore"):  # a scale below 2**-128: inf, so every step is flagged
+                inverse = _inverses[scale] = float(np.float32(1.0 / float(scale)))
         return inverse
 
     def logical_and(self, a: Any, b: Any) -> Any:
@@ -257,6 +273,55 @@ def _field_types(config: ScalerConfig) -> tuple[Any, ...]:
         types = tuple(np.int32 if f in INT_FIELDS else scale_type for f in ScalerState._fields)
         config._cache["numpy-types"] = types
     return types  # type: ignore[no-any-return]
+
+
+def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays with the same byte bounds hold exactly the same elements, as one dtype."""
+    if a.dtype != b.dtype or a.flags.writeable != b.flags.writeable:
+        return False
+    if a.shape == b.shape and a.strides == b.strides:
+        return True
+    dense = (a.flags.c_contiguous or a.flags.f_contiguous) and (b.flags.c_contiguous or b.flags.f_contiguous)
+    return bool(dense)  # same bytes, no gaps: the same elements in another order
+
+
+def _aliases(leaves: list[Any]) -> set[int]:
+    """Indices of leaves that repeat an earlier one's elements (to unscale once), in C order.
+
+    Raises :class:`AliasedGradientsError` when two leaves share memory in part (or as two
+    dtypes, or a read-only view overlaps a writable one), or when a writable leaf's elements
+    overlap each other (a stride of 0): no unscale could then change each value once.
+    """
+    extents = []
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, np.ndarray) and leaf.size:
+            if leaf.flags.writeable and not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
+                _refuse_internal_overlap(leaf, index)
+            low, high = _byte_bounds(leaf)
+            extents.append((low, high, index))
+    if len(extents) < 2:
+        return set()
+    extents.sort()
+    duplicates: set[int] = set()
+    active: list[tuple[int, int, int]] = []  # extents that reach past the current start
+    for low, high, index in extents:
+        active = [e for e in active if e[1] > low]
+        for other_low, other_high, other in active:
+            a, b = leaves[other], leaves[index]
+            if other_low == low and other_high == high and _same_elements(a, b):
+                duplicates.add(index)
+                break
+            if np.shares_memory(a, b):
+                raise overlap_error(min(index, other), max(index, other))
+        else:
+            active.append((low, high, index))
+    return duplicates
+
+
+def _refuse_internal_overlap(leaf: np.ndarray, index: int) -> None:
+    """Refuse a writable array whose elements may share memory (``as_strided`` with stride 0)."""
+    if may_overlap_itself(leaf.shape, leaf.strides, leaf.itemsize):
+        raise internal_overlap_error(index, leaf.shape, leaf.strides, "numpy.ascontiguousarray")
 
 
 def _native_ok(leaf: Any, multiply: bool) -> bool:

@@ -30,7 +30,7 @@ from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._cuda import _plan
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
-from ampscale.backends._base import Backend
+from ampscale.backends._base import Backend, internal_overlap_error, may_overlap_itself, overlap_error
 from ampscale.backends._packed import (
     FLAG_BOOL,
     FLAG_FALSE,
@@ -52,6 +52,12 @@ __all__ = ["BACKEND", "TorchBackend"]
 _fused_support: dict[tuple[torch.device, torch.dtype], bool] = {}
 _DTYPE = operator.attrgetter("dtype")
 _GET_DEVICE = torch.Tensor.get_device
+_DATA_PTR = torch.Tensor.data_ptr
+_NBYTES = operator.attrgetter("nbytes")
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+#: the dtypes the fused kernel (or its exact float32 widening) unscales; others are refused up
+#: front, since the kernel would raise only when it reached them, after unscaling earlier ones
+_UNSCALABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _scratch = threading.local()
 _inverses: dict[float, float] = {}
 
@@ -167,6 +173,149 @@ def _batches(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
         out[-1].append(t)
         count += n
     return out
+
+
+def _refuse_dtypes(
+    leaves: Sequence[Any], dtypes: set[Any], spec: Any, what: str, backend: Backend | None = None
+) -> None:
+    """``TypeError`` for a dtype the kernel cannot unscale (integers, complex, float8, ...)."""
+    for dtype in dtypes - _UNSCALABLE:
+        index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
+        path = (backend or BACKEND).leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+        kind = "a floating-point dtype ampscale does not unscale" if dtype.is_floating_point else "not floating point"
+        raise TypeError(
+            f"{what} {path} has dtype {str(dtype).replace('torch.', '')} ({kind}); it must be float16, "
+            "bfloat16, float32 or float64"
+        )
+
+
+def _may_overflow(inv_scale: Any, scale_floor: float | None) -> bool:
+    """Whether unscaling by ``inv_scale`` may turn a finite value into inf: a scale below 1.
+
+    With an inverse of at most 1 no product exceeds its input, so the kernel's check of the
+    inputs is the check of the values written. A host inverse is known here. A device one is
+    not read (that would wait for the device): ``scale_floor``, a lower bound of the scale known
+    on the host, decides, and without one the values written are checked.
+    """
+    if inv_scale is None:
+        return False
+    if isinstance(inv_scale, torch.Tensor):
+        return scale_floor is None or not scale_floor >= 1.0
+    return not inv_scale <= 1.0
+
+
+def _memory_of(t: torch.Tensor) -> torch.Tensor:
+    return t._values() if t.is_sparse else t
+
+
+def _distinct_memory(leaves: list[torch.Tensor], writes: bool) -> list[torch.Tensor]:
+    """The leaves to run the kernel on: each memory location once, checked before any change.
+
+    Returns ``leaves`` itself when no two share memory. A buffer given twice (the same tensor,
+    or views of exactly the same elements with one dtype) is kept once: every place in the tree
+    shows the result. Raises :class:`AliasedGradientsError` for partial overlap, or for a
+    tensor whose own elements share memory (a stride of 0, as ``autograd.grad`` returns for a
+    broadcast bias), which torch's kernel refuses only when it reaches it. Three passes over
+    the leaves' attributes in C (pointer, size, contiguity) and one sort.
+    ``writes``: whether the call unscales (a check-only call reads each location, whatever
+    aliases it; a tensor that overlaps itself is then checked through a contiguous copy).
+    """
+    if not leaves:
+        return leaves
+    if len(leaves) == 1:
+        leaf = leaves[0]
+        if leaf.is_sparse or _IS_CONTIGUOUS(leaf):
+            return leaves
+        return _self_overlaps(leaves, writes)
+    try:
+        starts = np.fromiter(map(_DATA_PTR, leaves), np.int64, len(leaves))
+    except RuntimeError:  # sparse tensors have no data pointer: their values are what changes
+        return _distinct_memory_sparse(leaves, writes)
+    if not all(map(_IS_CONTIGUOUS, leaves)):
+        leaves = _self_overlaps(leaves, writes)
+    if not writes:
+        return leaves
+    sizes = np.fromiter(map(_span_bytes, leaves), np.int64, len(leaves))
+    sizes[starts == 0] = 0  # meta tensors (no memory) and empty ones
+    order = np.argsort(starts, kind="stable")
+    low = starts[order]
+    high = low + sizes[order]
+    reach = np.maximum.accumulate(high)
+    if not np.any((low[1:] < reach[:-1]) & (sizes[order][1:] > 0)):
+        return leaves
+    return _resolve_overlaps(leaves, [int(i) for i in order], starts, sizes)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    if _IS_CONTIGUOUS(t):
+        return int(t.nbytes)
+    if t.numel() == 0:
+        return 0
+    return int((sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size())
+
+
+def _self_overlaps(leaves: list[torch.Tensor], writes: bool) -> list[torch.Tensor]:
+    """``leaves``, refusing (``writes``) or copying (reads) tensors that overlap themselves."""
+    out = leaves
+    for index, t in enumerate(leaves):
+        if t.is_sparse or _IS_CONTIGUOUS(t) or not may_overlap_itself(t.shape, t.stride(), 1):
+            continue
+        if writes:
+            raise internal_overlap_error(index, t.shape, t.stride(), "tensor.contiguous()")
+        if out is leaves:
+            out = list(leaves)
+        out[index] = t.contiguous()  # only read: a copy has the same values, and torch takes it
+    return out
+
+
+def _distinct_memory_sparse(leaves: list[torch.Tensor], writes: bool) -> list[torch.Tensor]:
+    memory = [_memory_of(t) for t in leaves]
+    distinct = _distinct_memory(memory, writes)
+    if distinct is memory:
+        return leaves
+    kept = {id(t) for t in distinct}
+    return [t for t, m in zip(leaves, memory, strict=True) if id(m) in kept]
+
+
+class _Layout:
+    """A tensor's memory layout as a NumPy array interface (addresses only: never read)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        size = t.element_size()
+        self.__array_interface__ = {
+            "shape": tuple(t.shape),
+            "typestr": f"|V{size}",
+            "data": (t.data_ptr(), False),
+            "strides": tuple(stride * size for stride in t.stride()),
+            "version": 3,
+        }
+
+
+def _layout(t: torch.Tensor) -> np.ndarray:
+    return np.asarray(_Layout(t))
+
+
+def _resolve_overlaps(leaves: list[torch.Tensor], order: list[int], starts: Any, sizes: Any) -> list[torch.Tensor]:
+    """The exact look at leaves whose memory ranges meet: repeats dropped, partial overlap refused."""
+    repeats: set[int] = set()
+    active: list[int] = []
+    for index in order:
+        if sizes[index] == 0:
+            continue
+        low = starts[index]
+        active = [i for i in active if starts[i] + sizes[i] > low]
+        for other in active:
+            a, b = leaves[other], leaves[index]
+            same = starts[other] == low and sizes[other] == sizes[index] and a.dtype == b.dtype
+            layout = (a.stride() == b.stride() and a.shape == b.shape) or (_IS_CONTIGUOUS(a) and _IS_CONTIGUOUS(b))
+            if same and layout:
+                repeats.add(index)
+                break
+            if np.shares_memory(_layout(a), _layout(b)):  # exact, from addresses and strides
+                raise overlap_error(min(index, other), max(index, other))
+        else:
+            active.append(index)
+    return [t for i, t in enumerate(leaves) if i not in repeats]
 
 
 # ------------------------------------------------------------------------------ CUDA helpers
@@ -331,6 +480,7 @@ class TorchBackend(Backend, CudaStep):
         inv_scale: Any,
         scratch: bool = False,
         found_inf: torch.Tensor | None = None,
+        scale_floor: float | None = None,
     ) -> dict[torch.device, torch.Tensor]:
         """Check and unscale in place; return a float32 ``found_inf`` (0 or 1) per device.
 
@@ -340,6 +490,12 @@ class TorchBackend(Backend, CudaStep):
         With ``scratch`` the flag tensors are reused per thread (the caller consumes them
         before the next call). ``found_inf``: the flag each device starts from, copied there
         (as ``torch.amp.GradScaler._unscale_grads_`` does); zeros when ``None``.
+        ``scale_floor``: a host lower bound of a device scale (see
+        :meth:`check_and_unscale_bounded`).
+
+        Everything that could make torch's kernel raise part way (a dtype it lacks, a tensor
+        whose elements share memory, two gradients that share memory in part) is refused
+        before the first element changes; a buffer given twice is unscaled once.
         """
         validated = getattr(_scratch, "validated", None)
         _scratch.validated = None
@@ -347,7 +503,9 @@ class TorchBackend(Backend, CudaStep):
             dtypes = validated[1]  # computed by validate() for this very list
         else:
             dtypes = set(map(_DTYPE, leaves))
-        leaves = list(leaves)
+            _refuse_dtypes(leaves, dtypes, None, "gradient")
+        leaves = _distinct_memory(list(leaves), inv_scale is not None)
+        needs_output_check = _may_overflow(inv_scale, scale_floor)
         if len(dtypes) == 1 and len(set(map(_GET_DEVICE, leaves))) == 1:
             # The common case, one launch: every gradient on one device with one dtype.
             device, dtype = leaves[0].device, leaves[0].dtype
@@ -355,6 +513,8 @@ class TorchBackend(Backend, CudaStep):
             try:
                 with _no_grad():
                     self._check_and_unscale_group(leaves, flag, self._inverse_on(inv_scale, device), device, dtype)
+                    if needs_output_check:
+                        self._check_and_unscale_group(leaves, flag, self.constant(1.0, device), device, dtype)
                 return {device: flag}
             except NotImplementedError:
                 # sparse gradients: the dispatcher refused the whole call, nothing was touched
@@ -377,11 +537,13 @@ class TorchBackend(Backend, CudaStep):
                 if flag is None:
                     flag = found[device] = self._found_inf(device, scratch, found_inf)
                 self._check_and_unscale_group(grads, flag, self._inverse_on(inv_scale, device), device, dtype)
+                if needs_output_check:
+                    self._check_and_unscale_group(grads, flag, self.constant(1.0, device), device, dtype)
         return found
 
     @staticmethod
-    def _single_group(leaves: Sequence[torch.Tensor]) -> tuple[int, torch.Tensor, bool | None] | None:
-        """``(device index, first leaf, plain)`` when all leaves share a device and a dtype.
+    def _single_group(leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool | None] | None:
+        """``(first leaf, plain)`` when all leaves share a device and a dtype.
 
         ``plain``: whether all leaves are known to be plain tensors (``None``: not known).
         """
@@ -391,14 +553,21 @@ class TorchBackend(Backend, CudaStep):
         if validated is None or validated[0] is not leaves:
             validated = None
         if len(leaves) == 1:
-            return leaves[0].get_device(), leaves[0], None
+            leaf = leaves[0]
+            if validated is None and leaf.dtype not in _UNSCALABLE:
+                _refuse_dtypes(leaves, {leaf.dtype}, None, "gradient")
+            return leaf, None
         dtypes = set(map(_DTYPE, leaves)) if validated is None else validated[1]
+        if validated is None:
+            _refuse_dtypes(leaves, dtypes, None, "gradient")
         if len(dtypes) != 1:
             return None
+        # get_device() is fast, and -1 for both the CPU and the meta device: a CPU index also
+        # needs one device type
         devices = set(map(_GET_DEVICE, leaves))
-        if len(devices) != 1:
+        if len(devices) != 1 or (devices == {-1} and len({t.device.type for t in leaves}) != 1):
             return None
-        return devices.pop(), leaves[0], None if validated is None else validated[2]
+        return leaves[0], None if validated is None else validated[2]
 
     def _found_inf(self, device: torch.device, scratch: bool, initial: torch.Tensor | None = None) -> torch.Tensor:
         if initial is not None:
@@ -515,22 +684,43 @@ class TorchBackend(Backend, CudaStep):
             torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
+        return self.check_and_unscale_bounded(leaves, inv_scale, None)
+
+    def check_and_unscale_bounded(
+        self, leaves: Sequence[Any], inv_scale: Any, scale_floor: float | None
+    ) -> tuple[list[Any], Any]:
+        """:meth:`check_and_unscale`, where the values written are checked only if they may overflow.
+
+        torch's kernel checks the inputs. With a scale below 1 a finite input may overflow when
+        unscaled, so a check-only pass over the values written follows; with a scale of at
+        least 1 it cannot, and there is no second pass. A CPU scale is a host value; a device
+        scale is known only through ``scale_floor``, a lower bound the scaler keeps on the host
+        (``None``: unknown, so the second pass runs).
+        """
         fast = self._single_group(leaves)
         if fast is not None:
             # One device, one dtype: a single kernel launch on a per-thread scratch flag.
-            device_index, first, plain = fast
-            flags: dict[int, torch.Tensor] = _scratch.__dict__.setdefault("flags", {})
-            flag = flags.get(device_index)
+            first, plain = fast
+            device = first.device
+            # keyed by the device itself: get_device() is -1 for the CPU and the meta device alike
+            flags: dict[torch.device, torch.Tensor] = _scratch.__dict__.setdefault("flags", {})
+            flag = flags.get(device)
             if flag is None:
-                flag = flags[device_index] = torch.zeros((), dtype=torch.float32, device=first.device)
+                flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
             else:
                 flag.zero_()
-            inv = self._inverse_on(inv_scale, first.device)
+            inv = self._inverse_on(inv_scale, device)
+            grads = leaves if type(leaves) is list else list(leaves)
+            distinct = _distinct_memory(grads, inv_scale is not None)
             previous = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
-            grads = leaves if type(leaves) is list else list(leaves)
             try:
-                self._check_and_unscale_group(grads, flag, inv, first.device, first.dtype, plain)
+                self._check_and_unscale_group(distinct, flag, inv, device, first.dtype, plain)
+                if _may_overflow(inv_scale, scale_floor):
+                    # a scale below 1: the kernel checked the inputs, and a finite input may
+                    # have overflowed when unscaled, so the values written are checked too
+                    one = self.constant(1.0, device)
+                    self._check_and_unscale_group(distinct, flag, one, device, first.dtype, plain)
             except NotImplementedError:
                 if not any(leaf.is_sparse for leaf in leaves):
                     raise
@@ -538,7 +728,7 @@ class TorchBackend(Backend, CudaStep):
                 return grads, flag.logical_not()  # a new tensor: the scratch flag stays ours
             finally:
                 torch._C._set_grad_enabled(previous)
-        found = self.found_inf_and_unscale(leaves, inv_scale, scratch=True)
+        found = self.found_inf_and_unscale(leaves, inv_scale, scratch=True, scale_floor=scale_floor)
         if len(found) == 1:
             (found_inf,) = found.values()
         else:
@@ -550,7 +740,7 @@ class TorchBackend(Backend, CudaStep):
         plain = _scratch.__dict__.pop("plain", None) is leaves  # flatten() made this list
         if len(leaves) == 1:  # the common loss / single-tensor case, without building sets
             leaf = leaves[0]
-            if type(leaf) in _PLAIN_TYPES and leaf.dtype.is_floating_point:
+            if type(leaf) in _PLAIN_TYPES and leaf.dtype in _UNSCALABLE:
                 _scratch.validated = None
                 return
         if not plain:
@@ -560,16 +750,10 @@ class TorchBackend(Backend, CudaStep):
                     self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
             plain = types <= _PLAIN_TYPES
         dtypes = set(map(_DTYPE, leaves))
+        _scratch.validated = None
+        _refuse_dtypes(leaves, dtypes, spec, what, self)
         # check_and_unscale, called next with this list, reuses what was learnt (one pass each)
         _scratch.validated = (leaves, dtypes, plain)
-        for dtype in dtypes:
-            if not dtype.is_floating_point:
-                index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
-                path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
-                raise TypeError(
-                    f"{what} {path} has dtype {self.dtype_name(leaves[index])}; it must be "
-                    "floating point (float16, bfloat16, float32 or float64)"
-                )
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         return self.check_and_unscale(leaves, None)[1]
@@ -672,13 +856,15 @@ class TorchBackend(Backend, CudaStep):
         return flag.data_ptr(), FLAG_BOOL, flag
 
     def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any
+        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
     ) -> tuple[list[Any], Any, Any] | None:
         if not isinstance(state, PackedState):
             return None
         device = state.buffer.device
         module = _cuda_module(config, device)
-        plan = _cuda_plan(leaves, loss, device)
+        # every memory location once, and refusals before anything changes (as check_and_unscale)
+        distinct = _distinct_memory(list(leaves), config.scales)
+        plan = _cuda_plan(distinct, loss, device)
         if module is None or plan is None:
             return None
         torch_groups, own, loss_tensor = plan
@@ -688,12 +874,17 @@ class TorchBackend(Backend, CudaStep):
         scratch = self.scratch_for(state, stream)
         with _no_grad():
             if config.scales:
-                # torch's own kernel (GradScaler's), its flag pointed at the record's scratch
+                # torch's own kernel (GradScaler's), its flag pointed at the record's scratch; it
+                # checks the inputs, so while the scale may be below 1 a check-only pass of the
+                # values written follows (ampscale's kernel checks what it writes)
                 found_inf, inv = scratch.view("found_inf"), state.view("inv_scale")
+                written = self.constant(1.0, device) if _may_overflow(inv, scale_floor) else None
                 for group in torch_groups:
                     torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
+                    if written is not None:
+                        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, written)
             else:
-                own = leaves  # guard mode: check only, in ampscale's kernel (nothing written)
+                own = distinct  # guard mode: check only, in ampscale's kernel (nothing written)
         if own or loss_tensor is not None:
             # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA) and the
             # loss, then the transition in its last block
