@@ -18,8 +18,10 @@ with the configuration's static branches already taken. Two emitters turn that g
   ``(-2147483647 - 1)``; no header is included, so NVRTC needs no CUDA include path.
 
 The C must be compiled without contraction to FMA and without flush-to-zero (``--fmad=false
---ftz=false`` for NVRTC and nvcc; the scale can be subnormal in presets without a floor, and
-flushing it changes ``scale == floor``). The tests compile the C with the host's compiler and
+--ftz=false`` for NVRTC and nvcc). The scale itself is never subnormal (its floor is at least
+the dtype's smallest normal value), so flush-to-zero cannot change the transition, which the
+tests check; the flags keep the emitted C exact whatever it computes. The tests compile the C
+with the host's compiler and
 compare it bit for bit with the Python transition, field by field, on every preset and mode.
 """
 
