@@ -54,6 +54,7 @@ _DTYPE = operator.attrgetter("dtype")
 _GET_DEVICE = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NBYTES = operator.attrgetter("nbytes")
+_NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 #: the dtypes the fused kernel (or its exact float32 widening) unscales; others are refused up
 #: front, since the kernel would raise only when it reached them, after unscaling earlier ones
@@ -208,7 +209,7 @@ def _memory_of(t: torch.Tensor) -> torch.Tensor:
     return t._values() if t.is_sparse else t
 
 
-def _distinct_memory(leaves: list[torch.Tensor], writes: bool) -> list[torch.Tensor]:
+def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | None = None) -> list[torch.Tensor]:
     """The leaves to run the kernel on: each memory location once, checked before any change.
 
     Returns ``leaves`` itself when no two share memory. A buffer given twice (the same tensor,
@@ -219,6 +220,7 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool) -> list[torch.Ten
     the leaves' attributes in C (pointer, size, contiguity) and one sort.
     ``writes``: whether the call unscales (a check-only call reads each location, whatever
     aliases it; a tensor that overlaps itself is then checked through a contiguous copy).
+    ``itemsize``: the element size when all leaves are known to share one dtype.
     """
     if not leaves:
         return leaves
@@ -231,11 +233,16 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool) -> list[torch.Ten
         starts = np.fromiter(map(_DATA_PTR, leaves), np.int64, len(leaves))
     except RuntimeError:  # sparse tensors have no data pointer: their values are what changes
         return _distinct_memory_sparse(leaves, writes)
-    if not all(map(_IS_CONTIGUOUS, leaves)):
+    dense = all(map(_IS_CONTIGUOUS, leaves))
+    if not dense:
         leaves = _self_overlaps(leaves, writes)
     if not writes:
         return leaves
-    sizes = np.fromiter(map(_span_bytes, leaves), np.int64, len(leaves))
+    # a contiguous tensor spans its numel() elements; the few others are measured one by one
+    if dense and itemsize is not None:
+        sizes = np.fromiter(map(_NUMEL, leaves), np.int64, len(leaves)) * itemsize
+    else:
+        sizes = np.fromiter(map(_NBYTES if dense else _span_bytes, leaves), np.int64, len(leaves))
     sizes[starts == 0] = 0  # meta tensors (no memory) and empty ones
     order = np.argsort(starts, kind="stable")
     low = starts[order]
@@ -711,7 +718,7 @@ class TorchBackend(Backend, CudaStep):
                 flag.zero_()
             inv = self._inverse_on(inv_scale, device)
             grads = leaves if type(leaves) is list else list(leaves)
-            distinct = _distinct_memory(grads, inv_scale is not None)
+            distinct = _distinct_memory(grads, inv_scale is not None, first.element_size())
             previous = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
