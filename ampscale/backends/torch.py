@@ -569,10 +569,10 @@ class TorchBackend(Backend, CudaStep):
             _refuse_dtypes(leaves, dtypes, None, "gradient")
         if len(dtypes) != 1:
             return None
-        # get_device() is fast, and -1 for both the CPU and the meta device: a CPU index also
-        # needs one device type
+        # get_device() is fast; it is -1 for the CPU and the meta device alike, which torch's
+        # kernel takes in one call (the caller keys its flag by the first leaf's device)
         devices = set(map(_GET_DEVICE, leaves))
-        if len(devices) != 1 or (devices == {-1} and len({t.device.type for t in leaves}) != 1):
+        if len(devices) != 1:
             return None
         return leaves[0], None if validated is None else validated[2]
 
