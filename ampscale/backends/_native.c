@@ -41,6 +41,50 @@ static int extent_order(const void *a, const void *b) {
     return x->index < y->index ? -1 : (x->index > y->index);
 }
 
+/* Sort extents by address in about linear time: heap blocks are spread over an address range,
+ * so a bucket per extent (by its start's place in that range) leaves only a few out of order,
+ * which an insertion sort then fixes. qsort's comparison calls cost more than the kernel's own
+ * bookkeeping for thousands of small buffers. */
+static int sort_extents(Extent *extents, Py_ssize_t count) {
+    uintptr_t low = extents[0].lo, high = extents[0].lo;
+    for (Py_ssize_t i = 1; i < count; i++) {
+        if (extents[i].lo < low) low = extents[i].lo;
+        if (extents[i].lo > high) high = extents[i].lo;
+    }
+    Py_ssize_t *starts = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    Extent *sorted = PyMem_Malloc((size_t)count * sizeof(Extent));
+    if (starts == NULL || sorted == NULL) {
+        PyMem_Free(starts);
+        PyMem_Free(sorted);
+        return -1;
+    }
+    const double per_byte = (double)count / ((double)(high - low) + 1.0);
+#define AMPSCALE_BUCKET(e) ((Py_ssize_t)((double)((e).lo - low) * per_byte) < count ? (Py_ssize_t)((double)((e).lo - low) * per_byte) : count - 1)
+    for (Py_ssize_t i = 0; i < count; i++) starts[AMPSCALE_BUCKET(extents[i]) + 1]++;
+    for (Py_ssize_t b = 0; b < count; b++) starts[b + 1] += starts[b];
+    for (Py_ssize_t i = 0; i < count; i++) sorted[starts[AMPSCALE_BUCKET(extents[i])]++] = extents[i];
+#undef AMPSCALE_BUCKET
+    /* Buckets are in order: only their insides are not. Clustered addresses (a far outlier
+     * stretches the range, and most extents share a bucket) would make this quadratic: past a
+     * linear budget of moves, qsort finishes the job. */
+    Py_ssize_t budget = 8 * count;
+    for (Py_ssize_t i = 1; i < count && budget >= 0; i++) {
+        Extent e = sorted[i];
+        Py_ssize_t j = i;
+        while (j > 0 && extent_order(&sorted[j - 1], &e) > 0) {
+            sorted[j] = sorted[j - 1];
+            j--;
+            budget--;
+        }
+        sorted[j] = e;
+    }
+    if (budget < 0) qsort(sorted, (size_t)count, sizeof(Extent), extent_order);
+    memcpy(extents, sorted, (size_t)count * sizeof(Extent));
+    PyMem_Free(starts);
+    PyMem_Free(sorted);
+    return 0;
+}
+
 /* Each memory location is unscaled once. Buffers that are the same bytes as an earlier one are
  * marked in `duplicate` (processed once; they are views of one array, so both show the result);
  * buffers that share only some bytes cannot be unscaled once each: -1 with OverlapError set,
@@ -63,7 +107,11 @@ static int find_aliases(const Span *spans, Py_ssize_t count, Py_ssize_t itemsize
         if (used > 0 && extent_order(&extents[used - 1], &extents[used]) > 0) sorted = 0;
         used++;
     }
-    if (!sorted) qsort(extents, (size_t)used, sizeof(Extent), extent_order);
+    if (!sorted && sort_extents(extents, used) != 0) {
+        PyMem_Free(extents);
+        PyErr_NoMemory();
+        return -1;
+    }
     int status = 0;
     uintptr_t reach = 0; /* the highest end so far, and whose it is */
     Py_ssize_t reach_index = -1;
