@@ -279,6 +279,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._scale_view, self._tracker_view = _HostView(), _HostView()
         self._host_ops: HostOps | None = None
         self._plain_scale: object = _UNCHECKED  # the _scale the inline scale() path has checked
+        # (scale tensor, its version, a lower bound of its value) for a scale on an accelerator
+        self._scale_bound: tuple[torch.Tensor, int, float] | None = None
 
     # -- settings -------------------------------------------------------------------------------
     @staticmethod
@@ -526,12 +528,44 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             return {}
         if not allow_fp16 and any(g.dtype is torch.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")
+        if isinstance(inv_scale, torch.Tensor) and inv_scale is BACKEND.constant(1.0, inv_scale.device):
+            floor: float | None = math.inf  # a check only (_check_inf_per_device): nothing is multiplied
+        else:
+            floor = self._scale_floor(optimizer)
         try:
-            return BACKEND.found_inf_and_unscale(grads, inv_scale, found_inf=found_inf)
+            return BACKEND.found_inf_and_unscale(grads, inv_scale, found_inf=found_inf, scale_floor=floor)
         except UncoalescedSparseError:
             # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
             self._coalesce_half_sparse(optimizer)
-            return BACKEND.found_inf_and_unscale(_grads_of(optimizer), inv_scale, found_inf=found_inf)
+            return BACKEND.found_inf_and_unscale(
+                _grads_of(optimizer), inv_scale, found_inf=found_inf, scale_floor=floor
+            )
+
+    def _scale_floor(self, optimizer: Any) -> float | None:
+        """The scale on the CPU; a host lower bound of it on an accelerator (``None``: unknown).
+
+        Below a scale of 1 a finite gradient can overflow when unscaled, and the backend then
+        checks the values it wrote too (a second pass). To skip that pass without reading the
+        device, the scaler keeps a bound: the scale last read, lowered by one backoff at each
+        ``update()`` (the most an update can lower it), valid while the tensor is the same and
+        its version counter shows no other write (``update(new_scale)``, ``load_state_dict``,
+        a user's ``fill_``). When the bound falls below 1 the scale is read once (a sync, about
+        every log2(scale) updates), unless the optimizer takes the scaler itself (fused
+        optimizers, which torch runs without any sync): those get the second pass instead.
+        """
+        scale = self._scale
+        if scale is None:
+            return None
+        if _on_host(scale):
+            return float(self._scale_view.read(scale))  # a CPU tensor: read, nothing to wait for
+        bound = getattr(self, "_scale_bound", None)  # (absent from pickles of older versions)
+        if bound is not None and bound[0] is scale and bound[1] == scale._version and bound[2] >= 1.0:
+            return float(bound[2])
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return None
+        value = float(scale.item())  # the documented occasional read (see above)
+        self._scale_bound = (scale, scale._version, value)
+        return value
 
     @staticmethod
     def _coalesce_half_sparse(optimizer: Any) -> None:
@@ -771,12 +805,24 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         # the generic tensor transition: torch's two tensors stay the ones updated in place (the
         # backend's packed one-launch record would hold the state in a buffer of its own)
         new, _, floor_event = Backend.run_transition(BACKEND, config, state, combined == 0, loss_finite, ops)
+        bound = getattr(self, "_scale_bound", None)
+        valid = bound is not None and bound[0] is scale and bound[1] == scale._version
         scale.copy_(new.scale)  # in place, as torch's kernel: held references see the new scale
+        if valid:  # the lowest the scale can now be: one backoff below (never below the floor)
+            assert bound is not None
+            self._scale_bound = (scale, scale._version, float(self._lowest_after_update(bound[2])))
         tracker.copy_(new.growth_tracker)
         self._rest = tuple(new[2:])
         if config.on_floor != "ignore" and bool(floor_event):  # the documented host read
             return BACKEND.read_state(new)
         return None
+
+    def _lowest_after_update(self, scale: float) -> float:
+        ops = self._host_ops
+        if ops is None or ops.config is not self._config:
+            ops = self._host_ops = self._config._cache.get("host") or HostOps(self._config)
+            self._config._cache["host"] = ops
+        return float(ops.shrink(scale)) if self._config.dynamic else scale
 
     def _react_to_floor(self, values: ScalerState) -> None:
         Scaler(self._config)._react_to_floor(values)
@@ -868,6 +914,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             state["_scale_view"], state["_tracker_view"] = _HostView(), _HostView()
             state["_host_ops"] = None
             state["_plain_scale"] = _UNCHECKED
+            state["_scale_bound"] = None
             state["_loss_bad_on_host"] = False
             state["_loss_bad"] = {}
         return state

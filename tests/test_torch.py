@@ -859,3 +859,83 @@ def test_the_loss_rule_which_scale_calls_count_for_which_step() -> None:
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         assert scaler.step(opt).applied is True
     scaler.update()
+
+
+def _count_passes(monkeypatch) -> list[float]:
+    """Record the inverse scale of every run of the fused kernel group (1.0: a check-only pass)."""
+    passes: list[float] = []
+    original = torch_backend.TorchBackend._check_and_unscale_group
+
+    def counting(self, leaves, flag, inv, device, dtype):
+        passes.append(float(inv))
+        return original(self, leaves, flag, inv, device, dtype)
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "_check_and_unscale_group", counting)
+    return passes
+
+
+@pytest.mark.parametrize("state", ["host", "device"])
+def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(monkeypatch, state: str) -> None:
+    """At scales >= 1 one pass per step (the inputs' check is the outputs'); below 1 a second,
+    check-only pass catches a finite float16 gradient that overflows when unscaled. On an
+    accelerator (``state="device"``, run on CPU tensors) the scale is not read each step: a
+    host bound, lowered by one backoff per update, decides, and one read refreshes it."""
+    if state == "device":
+        monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
+    passes = _count_passes(monkeypatch)
+    reads: list[int] = []
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        reads.append(1)
+        return item(self)
+
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = torch.optim.SGD([weight], lr=0.0)
+    scaler = amp_torch.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
+    scaler.scale(torch.ones((), requires_grad=True))
+    for step in range(4):  # finite steps at scale 4: the bound reaches 4 / 2**3 < 1 at step 3
+        weight.grad = torch.full((4,), 3.0, dtype=torch.float16)
+        passes.clear()
+        reads.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", counting_item)
+            scaler.unscale_(opt)
+        assert passes == [0.25], (step, passes)
+        if state == "device":
+            assert len(reads) == (1 if step in (0, 3) else 0), (step, reads)  # first use, then bound < 1
+        scaler.step(opt)
+        scaler.update()
+    scaler.update(0.5)  # below 1: the bound is void (the scale tensor was written)
+    weight.grad = torch.full((4,), 60000.0, dtype=torch.float16)  # finite; x2 overflows float16
+    passes.clear()
+    scaler.unscale_(opt)
+    assert passes == [2.0, 1.0]  # the unscale, then the check of what it wrote
+    assert scaler._found_inf_per_device(opt)[torch.device("cpu")].item() == 1.0
+    assert torch.isinf(weight.grad).all()
+    scaler.step(opt)  # skipped: the weights stay finite
+    scaler.update()
+    assert torch.equal(weight.detach(), torch.zeros(4, dtype=torch.float16))
+
+
+def test_drop_in_fused_optimizer_is_checked_once_without_a_read(monkeypatch) -> None:
+    """A fused optimizer unscales the gradients itself (as with torch's scaler): the scaler only
+    checks them, one pass, no second one and no host read, even below a scale of 1."""
+    monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
+    passes = _count_passes(monkeypatch)
+    weight = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([weight], lr=1e-3, fused=True)
+    scaler = amp_torch.GradScaler("cpu", init_scale=2.0, growth_interval=10**6)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a tensor")
+
+    for step in range(3):
+        opt.zero_grad()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", forbidden)
+            scaler.scale((weight * 1.0).sum()).backward()
+            passes.clear()
+            scaler.step(opt)
+            scaler.update()
+        assert passes == [1.0], (step, passes)  # the check of the inputs alone: Adam unscales them
