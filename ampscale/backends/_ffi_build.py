@@ -1,4 +1,7 @@
-"""Build the XLA FFI handler for JAX on the CPU (``_jax_ffi.cc``) with the host C++ compiler.
+"""Build the XLA FFI handlers for JAX (CPU: ``_jax_ffi.cc``; CUDA: ``_jax_ffi_cuda.cc``) with the host C++ compiler.
+
+Both handlers go into one library; the CUDA one needs no CUDA toolkit to build (its kernels are
+compiled at run time by NVRTC, see ``ampscale._cuda._jax``).
 
 Standard library only: ``setup.py`` runs it at install time, and the JAX backend on first use.
 
@@ -31,8 +34,11 @@ import tempfile
 from importlib import metadata, util
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: The files the handler is compiled from (the kernels are shared with the NumPy extension).
-SOURCES = ("_jax_ffi.cc", "_kernels.h")
+#: The files the handlers are compiled from, relative to this directory (the CPU kernels are
+#: shared with the NumPy extension; the CUDA handler takes its launch layout from the kernel source).
+SOURCES = ("_jax_ffi.cc", "_jax_ffi_cuda.cc", "_jax_ffi_leaves.h", "_kernels.h", "../_cuda/jax_kernels.cu")
+#: The translation units of the library.
+UNITS = ("_jax_ffi.cc", "_jax_ffi_cuda.cc")
 #: The library built at install time, beside the sources.
 PREBUILT = os.path.join(HERE, "libampscale_jax_ffi.so")
 #: GCC/Clang flags; the kernels' float semantics match the NumPy extension's build.
@@ -116,13 +122,13 @@ def cached_library(key: str, compiler: list[str]) -> str:
 
 
 def compile_library(output: str, include_dir: str, key: str, compiler: list[str], directory: str = HERE) -> None:
-    """Compile the handler into ``output`` (atomically: concurrent builds each write a whole file).
+    """Compile the handlers into ``output`` (atomically: concurrent builds each write a whole file).
 
     Raises:
         RuntimeError: the compiler failed (its last lines of output are in the message).
     """
     if sys.platform == "win32":
-        raise RuntimeError("the JAX CPU handler is built with GCC or Clang; Windows is not supported")
+        raise RuntimeError("the JAX handlers are built with GCC or Clang; Windows is not supported")
     out_dir = os.path.dirname(os.path.abspath(output))
     os.makedirs(out_dir, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=".jax_ffi-", suffix=".so", dir=out_dir)
@@ -135,7 +141,7 @@ def compile_library(output: str, include_dir: str, key: str, compiler: list[str]
         "-I",
         directory,
         f'-DAMPSCALE_FFI_BUILD_KEY="{key}"',
-        os.path.join(directory, "_jax_ffi.cc"),
+        *(os.path.join(directory, unit) for unit in UNITS),
         "-o",
         temporary,
     ]
@@ -154,7 +160,7 @@ def compile_library(output: str, include_dir: str, key: str, compiler: list[str]
 
 
 def build_at_install(output_dir: str, source_dir: str = HERE) -> str:
-    """Build the handler for ``setup.py`` when jaxlib and a compiler are present; say what happened."""
+    """Build the handlers for ``setup.py`` when jaxlib and a compiler are present; say what happened."""
     headers = jaxlib_headers()
     if headers is None:
         return "jaxlib not installed in the build environment; compiled on first use instead"

@@ -1,19 +1,23 @@
-"""The JAX backend's fast path on the CPU: one XLA custom call checks and unscales many leaves.
+"""The JAX backend's fast path: one XLA custom call checks and unscales many leaves (CPU and CUDA).
 
-XLA compiles each gradient leaf into its own fusion and output buffer; on the CPU that costs
-a few microseconds per leaf and keeps a step well below memory speed. The custom call
-``ampscale_check_and_unscale_v1`` (``_jax_ffi.cc``, the NumPy extension's kernels) takes the
-inverse scale and up to :data:`GROUP` leaves, unscales them in place (each result aliases its
-operand, so donated gradients are never copied) and returns one flag.
+XLA compiles each gradient leaf into its own fusion and output buffer; that costs a few
+microseconds per leaf on the CPU (and about as much per leaf on a GPU) and keeps a step well
+below memory speed. The custom call ``ampscale_check_and_unscale_v1`` takes the inverse scale and
+up to :data:`GROUP` leaves, unscales them in place (each result aliases its operand, so donated
+gradients are never copied) and returns one flag. Its handlers: on the CPU ``_jax_ffi.cc`` (the
+NumPy extension's kernels), on CUDA GPUs ``_jax_ffi_cuda.cc`` (ampscale's multi-tensor kernel,
+compiled by NVRTC at run time, launched on XLA's stream: :mod:`ampscale._cuda._jax`).
 
 It is bound as a primitive whose lowering decides, per platform and context, between the
 custom call and the pure-XLA path (both bit for bit the same):
 
-* CPU, one device, or one shard under ``shard_map``/``pmap``: the custom call.
-* any other platform, ``jit`` over several devices with automatic sharding (the custom call
-  is opaque to XLA's partitioner, which would gather every gradient onto each device), a
-  partly manual ``shard_map``, and ``jax.export`` (unless :func:`use_custom_call` says
-  ``in_exports=True``): the pure-XLA path.
+* CPU or CUDA, one device, or one shard under ``shard_map``/``pmap``: the custom call.
+* any other platform (ROCm, TPU), ``jit`` over several devices with automatic sharding (the
+  custom call is opaque to XLA's partitioner, which would gather every gradient onto each
+  device), a partly manual ``shard_map``, and ``jax.export`` (unless :func:`use_custom_call`
+  says ``in_exports=True``): the pure-XLA path.
+* CUDA, when the kernels cannot be made ready in this process (no driver, no NVRTC, NVRTC or
+  the driver refusing the module): the pure-XLA path, with one warning.
 * under ``vmap`` (a flag per batch element) the batching rule runs the pure-XLA path, and
   differentiating through it uses the pure-XLA path's derivative.
 
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ampscale._cuda import _jax as _cuda_kernels
 from ampscale._errors import PerformanceWarning
 from ampscale.backends import _ffi_build
 
@@ -57,15 +62,18 @@ _ENV = "AMPSCALE_JAX_CUSTOM_CALL"
 
 @dataclasses.dataclass(frozen=True)
 class CustomCallStatus:
-    """Whether the JAX backend's CPU custom call is in use, and why (not).
+    """Whether the JAX backend's custom call is in use, and why (not).
 
     Attributes:
-        available: the handler is loaded and registered with XLA for the CPU.
+        available: the handler library is loaded and registered with XLA (CPU and CUDA).
         enabled: not turned off (``AMPSCALE_JAX_CUSTOM_CALL=0`` or :func:`use_custom_call`).
         reason: where the handler came from, or what kept it from loading.
         library: the path of the loaded handler library.
         kernel_isa: the kernel family the handler runs (``"avx512"``, ``"avx2+f16c"``, ...).
-        last_lowering: the latest lowering's choice (``"custom call"`` or ``"XLA path: <why>"``).
+        last_lowering: the latest lowering's choice (``"custom call"``, ``"custom call (CUDA)"``
+            or ``"XLA path: <why>"``).
+        cuda_available: the CUDA kernels are loaded for every CUDA device of this process.
+        cuda_reason: what was loaded for CUDA, or why the CUDA custom call cannot run here.
     """
 
     available: bool
@@ -74,6 +82,8 @@ class CustomCallStatus:
     library: str | None = None
     kernel_isa: str | None = None
     last_lowering: str | None = None
+    cuda_available: bool = False
+    cuda_reason: str = "not checked"
 
     @property
     def active(self) -> bool:
@@ -87,6 +97,8 @@ class CustomCallStatus:
             head = f"on ({self.kernel_isa}): {self.reason}"
         else:
             head = f"unavailable (pure-XLA path): {self.reason}"
+        if self.available and self.enabled:
+            head += f"; CUDA: {'on' if self.cuda_available else 'pure-XLA path'} ({self.cuda_reason})"
         if self.last_lowering:
             head += f"; last lowering: {self.last_lowering}"
         return head
@@ -99,6 +111,9 @@ _primitive: Any = None
 _settings = {"enabled": True, "in_exports": False}
 _last_lowering: list[str] = []
 _warned = False
+_cuda_lock = threading.Lock()
+_cuda: list[tuple[bool, str]] = []  # [(ready, what was loaded or why not)] once checked
+_cuda_warned = False
 
 
 def _env_enabled() -> bool:
@@ -117,7 +132,7 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def use_custom_call(enabled: bool = True, *, in_exports: bool = False) -> Iterator[None]:
-    """Turn the CPU custom call on or off for the functions traced inside the block.
+    """Turn the custom call (CPU and CUDA) on or off for the functions traced inside the block.
 
     Args:
         enabled: ``False`` makes new traces use the pure-XLA path (bit for bit the same).
@@ -183,6 +198,12 @@ def _load() -> CustomCallStatus:
     try:
         _primitive = _make_primitive()
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ampscale_check_and_unscale_v1), platform="cpu")
+        # CUDA's is registered too (XLA keeps it until a CUDA client starts); its kernels are
+        # loaded per device by _cuda_ready, before anything is lowered to it.
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(library.ampscale_check_and_unscale_v1_cuda), platform="CUDA"
+        )
+        _cuda_kernels.declare(library)
     except Exception as exc:  # a JAX without an internal the primitive needs: the XLA path
         return CustomCallStatus(False, True, f"this JAX ({jax.__version__}) cannot host the custom call: {exc!r}")
     _library = library
@@ -191,17 +212,65 @@ def _load() -> CustomCallStatus:
     return CustomCallStatus(True, True, f"{origin} ({path})", path, isa)
 
 
-def register() -> CustomCallStatus:
-    """Load (building it if needed) and register the CPU handler with XLA, once per process.
-
-    Call it before running a deserialized ``jax.export`` artifact that contains the custom
-    call (see :func:`use_custom_call`); tracing with the JAX backend calls it by itself.
-    """
+def _library_status() -> CustomCallStatus:
+    """Load (building it if needed) the handler library and register it with XLA, once per process."""
     global _loaded
     with _lock:
         if _loaded is None:
             _loaded = _load()
         return _loaded
+
+
+def _cuda_devices() -> list[Any]:
+    """This process's CUDA devices (none without JAX's CUDA backend)."""
+    try:
+        return list(jax.local_devices(backend="cuda"))
+    except RuntimeError:  # "Unknown backend cuda"
+        return []
+
+
+def _prepare_cuda() -> tuple[bool, str]:
+    devices = _cuda_devices()
+    if not devices:
+        return False, "no CUDA device in this process"
+    from ampscale._cuda import driver
+
+    reason = driver.unavailable_reason()
+    if reason is not None:
+        return False, reason
+    assert _library is not None
+    try:
+        _cuda_kernels.set_driver(_library)
+        ordinals = [d.local_hardware_id if d.local_hardware_id is not None else d.id for d in devices]
+        loaded = sorted({_cuda_kernels.bind(_library, ordinal) for ordinal in ordinals})
+    except (OSError, RuntimeError) as exc:  # NvrtcError is a RuntimeError
+        return False, str(exc)
+    return True, f"NVRTC {', '.join(loaded)}, {len(devices)} device{'s' if len(devices) > 1 else ''}"
+
+
+def _cuda_ready() -> tuple[bool, str]:
+    """Whether the CUDA kernels are loaded for every CUDA device here (doing it once), and what or why not."""
+    loaded = _library_status()
+    if not loaded.available:
+        return False, f"the handler library is unavailable: {loaded.reason}"
+    with _cuda_lock:
+        if not _cuda:
+            _cuda.append(_prepare_cuda())
+        return _cuda[0]
+
+
+def register() -> CustomCallStatus:
+    """Load (building it if needed) and register the handlers with XLA, once per process; on a
+    machine with CUDA devices, also compile (or take from the disk cache) and load the CUDA kernels.
+
+    Call it before running a deserialized ``jax.export`` artifact that contains the custom
+    call (see :func:`use_custom_call`); tracing with the JAX backend calls it by itself.
+    """
+    loaded = _library_status()
+    if not loaded.available:
+        return loaded
+    ready, why = _cuda_ready()
+    return dataclasses.replace(loaded, cuda_available=ready, cuda_reason=why)
 
 
 def status() -> CustomCallStatus:
@@ -221,12 +290,16 @@ def _xla_path(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
     return (finite, *outs)
 
 
+def _for_export(ctx: Any) -> bool:
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
 def _lowering_choice(ctx: Any) -> str | None:
     """``None`` to lower to the custom call here, else why the pure-XLA path is lowered."""
     from jax._src import sharding_impls
 
     module = ctx.module_context
-    if getattr(module.lowering_parameters, "for_export", False) and not _settings["in_exports"]:
+    if _for_export(ctx) and not _settings["in_exports"]:
         return "jax.export (portable; use_custom_call(in_exports=True) keeps the custom call)"
     axis_context = module.axis_context
     if isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices > 1:
@@ -239,15 +312,37 @@ def _lowering_choice(ctx: Any) -> str | None:
     return None
 
 
-def _lower_cpu(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+def _lower(ctx: Any, reason: str | None, chosen: str, inv_scale: Any, *grads: Any) -> Any:
+    """The custom call (``reason`` is ``None``) or the pure-XLA path, and the choice recorded."""
     from jax.interpreters import mlir
 
-    reason = _lowering_choice(ctx)
-    _last_lowering[:] = ["custom call" if reason is None else f"XLA path: {reason}"]
+    _last_lowering[:] = [chosen if reason is None else f"XLA path: {reason}"]
     if reason is not None:
         return mlir.lower_fun(_xla_path, multiple_results=True)(ctx, inv_scale, *grads)
     aliases = {i: i for i in range(1, len(grads) + 1)}
     return jax.ffi.ffi_lowering(TARGET, operand_output_aliases=aliases)(ctx, inv_scale, *grads)
+
+
+def _lower_cpu(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    return _lower(ctx, _lowering_choice(ctx), "custom call", inv_scale, *grads)
+
+
+def _lower_cuda(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    global _cuda_warned
+    reason = _lowering_choice(ctx)
+    # An export keeps the call without kernels here: the process that runs it registers them.
+    if reason is None and not _for_export(ctx):
+        ready, why = _cuda_ready()
+        if not ready:
+            reason = f"CUDA kernels unavailable ({why})"
+            if _cuda_devices() and not _cuda_warned:  # a GPU here, and the fast path is not on it
+                _cuda_warned = True
+                warnings.warn(
+                    f"ampscale: the JAX CUDA custom call is unavailable, the pure-XLA path is used: {why}",
+                    PerformanceWarning,
+                    stacklevel=2,
+                )
+    return _lower(ctx, reason, "custom call (CUDA)", inv_scale, *grads)
 
 
 def _lower_other(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
@@ -286,6 +381,7 @@ def _make_primitive() -> Any:
     primitive.def_abstract_eval(_abstract_eval)
     mlir.register_lowering(primitive, _lower_other)
     mlir.register_lowering(primitive, _lower_cpu, platform="cpu")
+    mlir.register_lowering(primitive, _lower_cuda, platform="cuda")
     batching.primitive_batchers[primitive] = _batch
     return primitive
 
@@ -319,12 +415,12 @@ def check_and_unscale(leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any],
     global _warned
     if not enabled():
         return None
-    loaded = register()
+    loaded = _library_status()
     if not loaded.available:
-        if not _warned and jax.default_backend() == "cpu":
+        if not _warned and jax.default_backend() in ("cpu", "gpu"):
             _warned = True
             warnings.warn(
-                f"ampscale: the JAX CPU custom call is unavailable, the pure-XLA path is used: {loaded.reason}",
+                f"ampscale: the JAX custom call is unavailable, the pure-XLA path is used: {loaded.reason}",
                 PerformanceWarning,
                 stacklevel=4,
             )

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "_jax_ffi_leaves.h"
 #include "xla/ffi/api/ffi.h"
 
 extern "C" {
@@ -51,6 +52,10 @@ extern "C" {
 
 namespace ffi = xla::ffi;
 
+static_assert(ampscale_ffi::LEAF_F16 == KIND_F16 && ampscale_ffi::LEAF_BF16 == KIND_BF16 &&
+                  ampscale_ffi::LEAF_F32 == KIND_F32 && ampscale_ffi::LEAF_F64 == KIND_F64,
+              "the handlers' dtype codes are the kernels'");
+
 #ifndef AMPSCALE_FFI_BUILD_KEY
 #define AMPSCALE_FFI_BUILD_KEY "unknown"
 #endif
@@ -58,16 +63,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 const bool kernels_selected = (select_kernels(), true);
-
-int kind_of(ffi::DataType dtype) {
-    switch (dtype) {
-        case ffi::DataType::F16: return KIND_F16;
-        case ffi::DataType::BF16: return KIND_BF16;
-        case ffi::DataType::F32: return KIND_F32;
-        case ffi::DataType::F64: return KIND_F64;
-        default: return -1;
-    }
-}
 
 // The pieces of one kind's element range, shared with the pool tasks that may outlive the call
 // (a task that starts after every piece is taken finds nothing to do and drops its reference).
@@ -121,35 +116,18 @@ ffi::Error check_and_unscale(ffi::ThreadPool pool, ffi::BufferR0<ffi::F32> inv_s
                              ffi::ResultBufferR0<ffi::PRED> finite, ffi::RemainingRets outs) {
     (void)kernels_selected;
     const size_t n = grads.size();
-    if (outs.size() != n) {
-        return ffi::Error::InvalidArgument("ampscale_check_and_unscale_v1: " + std::to_string(n) +
-                                           " gradients but " + std::to_string(outs.size()) +
-                                           " gradient results; each gradient has one result");
-    }
+    if (ffi::Error error = ampscale_ffi::check_counts(n, outs.size()); error.failure()) return error;
     const float inv = *inv_scale.typed_data();
     std::vector<Span> spans[KIND_COUNT];
     ptrdiff_t totals[KIND_COUNT] = {0, 0, 0, 0};
     for (size_t i = 0; i < n; i++) {
-        ffi::ErrorOr<ffi::AnyBuffer> in = grads.get<ffi::AnyBuffer>(i);
-        ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = outs.get<ffi::AnyBuffer>(i);
-        if (!in.has_value()) return in.error();
-        if (!out.has_value()) return out.error();
-        const ffi::AnyBuffer& source = in.value();
-        ffi::AnyBuffer target = *out.value();
-        const int kind = kind_of(source.element_type());
-        if (kind < 0 || target.element_type() != source.element_type() ||
-            target.element_count() != source.element_count()) {
-            return ffi::Error::InvalidArgument(
-                "ampscale_check_and_unscale_v1: gradient " + std::to_string(i) +
-                " must be float16, bfloat16, float32 or float64, with a result of the same dtype and size");
-        }
-        const ptrdiff_t count = static_cast<ptrdiff_t>(source.element_count());
-        if (count == 0) continue;
-        if (target.untyped_data() != source.untyped_data()) {
-            std::memcpy(target.untyped_data(), source.untyped_data(), source.size_bytes());
-        }
-        spans[kind].push_back(Span{static_cast<char*>(target.untyped_data()), count, totals[kind]});
-        totals[kind] += count;
+        ampscale_ffi::Leaf leaf;
+        if (ffi::Error error = ampscale_ffi::read_leaf(grads, outs, i, &leaf); error.failure()) return error;
+        if (leaf.count == 0) continue;
+        if (leaf.target != leaf.source) std::memcpy(leaf.target, leaf.source, leaf.bytes);
+        const ptrdiff_t count = static_cast<ptrdiff_t>(leaf.count);
+        spans[leaf.kind].push_back(Span{static_cast<char*>(leaf.target), count, totals[leaf.kind]});
+        totals[leaf.kind] += leaf.count;
     }
     int bad = 0;
     for (int kind = 0; kind < KIND_COUNT; kind++) {

@@ -13,9 +13,10 @@ multiply forces a full copy of every gradient, so the unscaled outputs are check
 scale >= 1 (inverse <= 1) that is exactly the check of the inputs; below 1 a finite gradient
 whose unscaled value overflows to inf is flagged as well (applying it would write inf).
 
-On the CPU the check + unscale is one XLA custom call per group of leaves (``_jax_custom_call``:
-ampscale's native kernels, in place, bit for bit the same as the XLA path), wherever the call
-site allows it; ``custom_call_status()`` says whether it is in use and why (not).
+On the CPU and on CUDA GPUs the check + unscale is one XLA custom call per group of leaves
+(``_jax_custom_call``: ampscale's native kernels on the CPU, its multi-tensor CUDA kernel on the
+GPU, in place, bit for bit the same as the XLA path), wherever the call site allows it;
+``custom_call_status()`` says whether it is in use and why (not).
 
 Agreement: sharded arrays under ``jit`` are global by construction (the reduction spans every
 shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced with ``pmin``.
@@ -57,10 +58,11 @@ _COUNTER_FIELDS = tuple(f for f in ScalerState._fields if f not in _SCALE_FIELDS
 
 
 def custom_call_status() -> CustomCallStatus:
-    """Whether the check + unscale runs as ampscale's fused XLA custom call on the CPU, and why (not).
+    """Whether the check + unscale runs as ampscale's fused XLA custom call, and why (not).
 
-    Loads the handler (compiling it on first use if it was not built at install) and reports
-    where it came from, the kernel family, whether it is turned off, and the latest lowering's
+    Loads the handlers (compiling them on first use if they were not built at install) and
+    reports where they came from, the CPU kernel family, whether the CUDA kernels are loaded
+    for this process's GPUs (or why not), whether it is turned off, and the latest lowering's
     choice (the custom call, or the pure-XLA path and why: another platform, automatic
     sharding over several devices, ``jax.export``, ...). Shown by ``python -m ampscale info``.
     """
@@ -68,10 +70,11 @@ def custom_call_status() -> CustomCallStatus:
 
 
 def register_custom_call() -> CustomCallStatus:
-    """Register the CPU custom call with XLA in this process (for deserialized ``jax.export`` code).
+    """Register the custom call with XLA in this process (for deserialized ``jax.export`` code).
 
-    Tracing with the JAX backend registers it by itself; a process that only runs an exported
-    artifact built with ``use_custom_call(in_exports=True)`` must call this first.
+    Registers the CPU and CUDA handlers and, where JAX has CUDA devices, loads the CUDA kernels
+    on each. Tracing with the JAX backend does this by itself; a process that only runs an
+    exported artifact built with ``use_custom_call(in_exports=True)`` must call this first.
     """
     return _jax_custom_call.register()
 

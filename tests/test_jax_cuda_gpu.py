@@ -1,0 +1,256 @@
+"""The JAX custom call on a CUDA GPU: bit for bit the pure-XLA path there, wherever it runs.
+
+Run by ``scripts/gpu-check.sh`` with JAX on the GPU. Every comparison is of raw bits (NaN
+payloads, signed zeros and denormals included) between the CUDA handler (ampscale's kernel,
+launched by XLA through ``_jax_ffi_cuda.cc``) and the pure-XLA path compiled by XLA:GPU, on
+every dtype, with inf/nan at the first and last elements, at chunk boundaries and in the last
+buffer of a launch, under jit, scan, vmap, shard_map, with and without donation, and across
+more buffers than one call and one launch take. On a GPU machine the kernels must load: a
+missing driver or NVRTC fails here rather than skipping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+pytest.importorskip("ml_dtypes")
+
+import ampscale  # noqa: E402
+from ampscale._cuda import _jax  # noqa: E402
+from ampscale.backends import _jax_custom_call  # noqa: E402
+from ampscale.backends import jax as jax_backend  # noqa: E402
+from tests.test_jax_ffi import (  # noqa: E402
+    DTYPES,
+    INVERSES,
+    _assert_same,
+    _bits,
+    _fused_jit,
+    _leaves,
+    _np_dtype,
+    _specials,
+    _xla_jit,
+)
+
+pytestmark = pytest.mark.gpu
+TARGET = _jax_custom_call.TARGET
+
+
+def _jax_on_a_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:  # pragma: no cover
+        return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda_custom_call() -> None:
+    if not _jax_on_a_gpu():
+        pytest.skip("JAX has no GPU here")
+    status = jax_backend.custom_call_status()
+    assert status.available, status.reason
+    assert status.cuda_available, status.cuda_reason  # a GPU machine must run the fast path
+    assert "CUDA: on (NVRTC " in str(status)
+
+
+def test_the_custom_call_is_lowered_for_cuda() -> None:
+    leaves = [jnp.ones(5), jnp.ones(3, jnp.bfloat16)]
+    assert f"custom_call @{TARGET}(" in _fused_jit().lower(leaves, jnp.float32(1)).as_text()
+    assert jax_backend.custom_call_status().last_lowering == "custom call (CUDA)"
+
+
+CHUNK = _jax.CHUNK
+SIZES = (0, 1, 7, 15, 16, 17, 33, 127, 1000, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(2))
+def test_bit_for_bit_the_xla_path_on_every_dtype(dtype: str, seed: int) -> None:
+    with jax.enable_x64(dtype == "float64"):
+        leaves = [jnp.asarray(x) for x in _leaves(dtype, seed, SIZES)]
+        leaves.append(jnp.asarray(_specials(_np_dtype(dtype))[seed]))  # a 0-d leaf
+        fused = _fused_jit()
+        for inv in INVERSES:
+            inv32 = jnp.float32(inv)
+            _assert_same(fused(leaves, inv32), _xla_jit(leaves, inv32))
+            clean = [jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in leaves]
+            _assert_same(fused(clean, inv32), _xla_jit(clean, inv32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_16_bit_value_and_float_payloads(dtype: str) -> None:
+    """Every float16/bfloat16 pattern (every NaN payload), float32/64 NaN payloads: as XLA:GPU
+    rounds and stores them (bfloat16 by the device's cvt, NaNs as its multiply makes them)."""
+    with jax.enable_x64(dtype == "float64"):
+        np_dtype = _np_dtype(dtype)
+        if np_dtype.itemsize == 2:
+            values = np.arange(1 << 16, dtype=np.uint16).view(np_dtype)
+        else:
+            uint = {4: np.uint32, 8: np.uint64}[np_dtype.itemsize]
+            rng = np.random.default_rng(5)
+            values = rng.integers(0, np.iinfo(uint).max, 1 << 16, dtype=uint, endpoint=True).view(np_dtype)
+            values[:16] = _specials(np_dtype)[:16].repeat(2)[:16]
+        leaves = [jnp.asarray(values)]
+        for inv in (1.0, 0.5, 2.0, 1 / 3, 2.0**-24, 2.0**24, 0.0):
+            _assert_same(_fused_jit()(leaves, jnp.float32(inv)), _xla_jit(leaves, jnp.float32(inv)))
+
+
+@pytest.mark.parametrize("group", [_jax_custom_call.GROUP, 3 * _jax.LEAVES + 7])
+def test_more_buffers_than_a_call_and_a_launch_take(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    """With the default group, 400 mixed-dtype leaves make 4 calls; with a group of 391, one call
+    makes 4 launches of at most 128 buffers. An inf anywhere (first, a launch's last, the very
+    last) clears the one flag; values stay bit for bit XLA's."""
+    monkeypatch.setattr(_jax_custom_call, "GROUP", group)
+    rng = np.random.default_rng(1)
+    leaves = []
+    for i in range(400):
+        name = ("float16", "bfloat16", "float32")[i % 3]
+        leaves.append(jnp.asarray((rng.standard_normal(int(rng.integers(0, 300))) * 50).astype(_np_dtype(name))))
+    fused = _fused_jit()
+    text = fused.lower(leaves, jnp.float32(1)).as_text()
+    assert text.count(f"@{TARGET}(") == -(-400 // group)
+    _assert_same(fused(leaves, jnp.float32(0.25)), _xla_jit(leaves, jnp.float32(0.25)))
+    sized = [i for i, x in enumerate(leaves) if x.size]
+    for poisoned in (sized[0], sized[_jax.LEAVES - 1], sized[_jax.LEAVES], sized[-1]):
+        bad = list(leaves)
+        bad[poisoned] = bad[poisoned].at[-1].set(jnp.inf)
+        out = fused(bad, jnp.float32(0.25))
+        assert not bool(out[1]), poisoned
+        _assert_same(out, _xla_jit(bad, jnp.float32(0.25)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_bad_value_in_any_block(dtype: str) -> None:
+    """Four chunks (blocks) in one buffer: an inf or nan at each block's edges is seen."""
+    size = 4 * CHUNK + 3
+    base = jnp.asarray(np.linspace(-8, 8, size).astype(_np_dtype(dtype)))
+    fused = _fused_jit()
+    assert bool(fused([base], jnp.float32(0.5))[1])
+    for position in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 1, 3 * CHUNK, size - 1):
+        for bad in (jnp.inf, -jnp.inf, jnp.nan):
+            leaves = [base.at[position].set(bad)]
+            out = fused(leaves, jnp.float32(0.5))
+            assert not bool(out[1]), (position, bad)
+            _assert_same(out, _xla_jit(leaves, jnp.float32(0.5)))
+
+
+def test_donated_buffers_are_unscaled_in_place_and_others_copied() -> None:
+    grads = [jnp.ones(1000) * 8, jnp.ones(70, jnp.float16) * 8, jnp.ones(3 * CHUNK, jnp.bfloat16) * 8]
+    pointers = [g.unsafe_buffer_pointer() for g in grads]
+    out, finite = _fused_jit(donate=True)(grads, jnp.float32(0.125))
+    assert bool(finite)
+    assert [o.unsafe_buffer_pointer() for o in out] == pointers
+    assert all(bool(jnp.all(o == 1)) for o in out)
+    kept = [jnp.full((10,), 4.0), jnp.full((5,), 4.0, jnp.bfloat16)]
+    out, finite = _fused_jit()(kept, jnp.float32(0.5))
+    assert bool(finite)
+    assert all(bool(jnp.all(k == 4)) for k in kept)  # not donated: the inputs are untouched
+    assert all(bool(jnp.all(o == 2)) for o in out)
+
+
+def _scaled_step(scaler, grads):
+    grads, finite = scaler.unscale(grads)
+    return grads, finite, scaler.update(finite)
+
+
+def test_scan_vmap_grad_and_transfer_guard() -> None:
+    scaler = ampscale.create_scaler(backend="jax", init_scale=2.0, growth_interval=1)
+
+    def body(carry, poison):
+        scaler, g = carry
+        g = jnp.where(poison, jnp.inf, g)
+        (g,), finite, scaler = _scaled_step(scaler, [g])
+        return (scaler, g * 2), finite
+
+    poison = jnp.array([False, False, True, False])
+    scan = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))
+    assert TARGET in scan.lower(scaler, jnp.ones(5)).as_text()
+    with jax.transfer_guard("disallow"):
+        (final, _), finites = scan(scaler, jnp.ones(5))
+    with _jax_custom_call.use_custom_call(False):
+        (final_x, _), finites_x = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))(scaler, jnp.ones(5))
+    assert np.asarray(finites).tolist() == np.asarray(finites_x).tolist() == [True, True, False, False]
+    assert final.get_scale() == final_x.get_scale()
+
+    batched = jnp.ones((3, 4)).at[1, 2].set(jnp.nan)
+    (out,), finite = jax.jit(jax.vmap(lambda g: scaler.unscale([g])))(batched)
+    assert np.asarray(finite).tolist() == [True, False, True]
+    with _jax_custom_call.use_custom_call(False):
+        (out_x,), _ = jax.jit(jax.vmap(lambda g: scaler.unscale([g])))(batched)
+    np.testing.assert_array_equal(_bits(out), _bits(out_x))
+
+    grad = jax.grad(lambda x: jnp.sum(scaler.unscale([x * x])[0][0]))(jnp.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(grad), np.arange(3.0))
+
+
+def test_shard_map_runs_it_on_each_gpu() -> None:
+    from jax import shard_map
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    n = len(devices)
+    scaler = ampscale.create_scaler(backend="jax", axis_name="data", init_scale=4.0)
+    grads = jnp.ones((n, 16)).at[n - 1, 5].set(jnp.inf)  # the last shard overflows
+
+    def per_shard(scaler, g):
+        (g,), finite = scaler.unscale([g])
+        return g, finite[None]
+
+    fn = jax.jit(
+        shard_map(
+            per_shard, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data")), out_specs=PartitionSpec("data")
+        )
+    )
+    assert TARGET in fn.lower(scaler, grads).as_text()
+    assert jax_backend.custom_call_status().last_lowering == "custom call (CUDA)"
+    g, finites = fn(scaler, grads)
+    assert np.asarray(finites).tolist() == [False] * n
+    np.testing.assert_array_equal(np.asarray(g)[0, :5], np.full(5, 0.25, np.float32))
+
+
+def test_the_step_matches_the_xla_step_over_a_training_run() -> None:
+    """Whole jitted steps (unscale + update) with overflows: states and gradients as the XLA path's."""
+    rng = np.random.default_rng(4)
+    scaler = ampscale.create_scaler(backend="jax", init_scale=2.0**12, growth_interval=3)
+    step = jax.jit(_scaled_step)
+    step_x = jax.jit(lambda s, g: _scaled_step(s, g))  # another function: traced (below) with the XLA path
+    ours, theirs = scaler, scaler
+    for i in range(12):
+        grads = {
+            "w": jnp.asarray(rng.standard_normal((300, 70)).astype(np.float32) * 2.0**12),
+            "b": jnp.asarray((rng.standard_normal(70) * 2.0**12).astype(_np_dtype("bfloat16"))),
+        }
+        if i % 4 == 2:
+            grads["w"] = grads["w"].at[299, 69].set(jnp.nan)
+        g, finite, ours = step(ours, grads)
+        with _jax_custom_call.use_custom_call(False):
+            g_x, finite_x, theirs = step_x(theirs, grads)
+        assert bool(finite) == bool(finite_x) == (i % 4 != 2)
+        for key in grads:
+            np.testing.assert_array_equal(_bits(g[key]), _bits(g_x[key]))
+        assert ours.state_dict() == theirs.state_dict()
+
+
+def test_two_kernel_launches_per_call() -> None:
+    """One call: the flag's launch and one launch over up to 128 buffers; no copy when donated."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch's profiler counts the launches: no torch CUDA here")
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = [jnp.ones(n) for n in (1024, 70_000, 3)]
+    inv = jax.device_put(jnp.float32(1))  # on the device before counting (a new scalar is a copy)
+    fused = _fused_jit(donate=True)
+    grads, _ = fused(grads, inv)  # compile
+    jax.block_until_ready(grads)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            grads, _ = fused(grads, inv)
+        jax.block_until_ready(grads)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum(name == "ampscale_jax_begin" for name in names) == 5, names
+    assert sum(name == "ampscale_jax_unscale" for name in names) == 5, names
+    assert not [name for name in names if "memcpy" in name.lower()], names
