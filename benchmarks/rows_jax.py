@@ -2,15 +2,17 @@
 
 Two ways a step runs, both with the gradients donated (the best case for everyone):
 
-* **one jitted call per step**: ampscale's ``unscale`` + ``update`` (with its CPU custom call,
-  and with the custom call turned off: the pure-XLA path), jmp's ``unscale`` + ``all_finite`` +
+* **one jitted call per step**: ampscale's ``unscale`` + ``update`` (with its custom call, on
+  the CPU or CUDA, and with the custom call turned off: the pure-XLA path), jmp's ``unscale`` + ``all_finite`` +
   ``adjust`` (the anchor), and the floor of any such call: a jitted function that only takes
   and returns the same donated arrays (for W2's 2000 arrays this is jit's own dispatch cost);
 * **inside a jitted loop**, as training runs it: a ``fori_loop`` of :data:`LOOP_STEPS` steps per
   call, reported per step, for ampscale and jmp.
 
 Every step alternates the scales 16 and 1/16 (two scalers, or two jmp states), so the data
-keeps its magnitude. The compile time of the first call is in the notes.
+keeps its magnitude. The compile time of the first call is in the notes. With JAX on a GPU the
+rows are labelled ``jax-gpu`` and compared with the device's L (and, in the same run, with
+torch's fused kernel when the torch rows run too): ``scripts/gpu-check.sh`` runs them.
 """
 
 from __future__ import annotations
@@ -125,7 +127,16 @@ def cases(workload: str) -> list[Case]:
     scalers = [first, first.load_state_dict(saved)]
 
     status = jax_backend.custom_call_status()
-    fused_note = f"custom call ({status.kernel_isa})" if status.active else f"no custom call: {status.reason}"
+    if not status.active:
+        fused_note = f"no custom call: {status.reason}"
+    elif device == "cpu":
+        fused_note = f"custom call ({status.kernel_isa})"
+    else:
+        fused_note = (
+            f"custom call (CUDA, {status.cuda_reason})"
+            if status.cuda_available
+            else f"no custom call: {status.cuda_reason}"
+        )
     compiled, seconds = _compiled(ampscale_step, data["grads"], scalers[0])
     step, sync = _per_step(compiled, data, list(scalers))
     out.append(
@@ -135,30 +146,30 @@ def cases(workload: str) -> list[Case]:
             "ampscale jax (jit, donated)",
             step,
             moved,
-            note=f"compile {seconds:.1f} s; {fused_note}" if device == "cpu" else f"compile {seconds:.1f} s",
+            note=f"compile {seconds:.1f} s; {fused_note}",
             device=device,
             sync=sync,
         )
     )
-    if device == "cpu":
 
-        def xla_step(g: Any, scaler: Any) -> Any:  # a function of its own: jit caches traces per function
-            return ampscale_step(g, scaler)
+    def xla_step(g: Any, scaler: Any) -> Any:  # a function of its own: jit caches traces per function
+        return ampscale_step(g, scaler)
 
-        with jax_backend.use_custom_call(False):
-            compiled, seconds = _compiled(xla_step, data["grads"], scalers[0])
-        step, sync = _per_step(compiled, data, list(scalers))
-        out.append(
-            Case(
-                label,
-                workload,
-                "ampscale jax, pure-XLA path (jit, donated)",
-                step,
-                moved,
-                note=f"compile {seconds:.1f} s",
-                sync=sync,
-            )
+    with jax_backend.use_custom_call(False):
+        compiled, seconds = _compiled(xla_step, data["grads"], scalers[0])
+    step, sync = _per_step(compiled, data, list(scalers))
+    out.append(
+        Case(
+            label,
+            workload,
+            "ampscale jax, pure-XLA path (jit, donated)",
+            step,
+            moved,
+            note=f"compile {seconds:.1f} s",
+            device=device,
+            sync=sync,
         )
+    )
 
     compiled, seconds = _compiled(_loop(ampscale_step), data["grads"], tuple(scalers))
     step, sync = _looped(compiled, data, tuple(scalers))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, in about 8 minutes at most on one GPU (each stage has a limit):
+# Every GPU check in one command, under 8 minutes in all on one GPU (each stage has a limit, and
+# no stage runs past TOTAL_LIMIT seconds from the start, 465 by default):
 #   1. set up ampscale from this tree (no package index needed: wheels in .whl/ are used if present),
 #      and build its C extensions (the NumPy kernel, the CUDA driver launcher),
 #   2. the GPU tests: the one-launch CUDA step (device transition against the host one, gradients
@@ -8,12 +9,18 @@
 #      on every GPU framework, the CUDA build tests (NVRTC and nvcc PTX), the CuPy example,
 #   3. the GPU benchmark (L measured with CUDA events, launches and host microseconds per step),
 #      and the issue's targets read from it,
-#   4. the JAX tests with JAX on the GPU (JAX's default device there).
+#   4. the JAX tests with JAX on the GPU (JAX's default device there): the CUDA custom call bit for
+#      bit against XLA:GPU's pure-XLA path (every dtype, inf/nan anywhere, jit/scan/vmap/shard_map,
+#      donation, launches per call), and the JAX backend's other tests,
+#   5. the JAX GPU benchmark (W1 beside torch's fused kernel, W2, W0) and the JAX GPU targets.
 # Usage: bash scripts/gpu-check.sh [output directory]   (logs and the benchmark table land there)
-# Limits (seconds) and the benchmarked backends can be set: GPU_TESTS_LIMIT, BENCH_LIMIT,
-# JAX_TESTS_LIMIT, BENCH_BACKENDS (default "cupy,torch").
+# Limits (seconds) and the benchmarked backends can be set: TOTAL_LIMIT, GPU_TESTS_LIMIT,
+# BENCH_LIMIT, JAX_TESTS_LIMIT, JAX_BENCH_LIMIT, BENCH_BACKENDS (default "cupy,torch").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+deadline=$((SECONDS + ${TOTAL_LIMIT:-465}))
+# a stage's limit: what it asks for, but never past the deadline
+budget() { local left=$((deadline - SECONDS)); if [ "$1" -lt "$left" ]; then echo "$1"; elif [ "$left" -gt 1 ]; then echo "$left"; else echo 1; fi; }
 out="${1:-${OUT:-gpu-check-output}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
@@ -66,19 +73,20 @@ opts=(-q -p no:cacheprovider -p no:benchmark -n 8 --no-header -rfEs --durations=
 if "$py" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout=150); fi
 
 echo "== GPU tests (one-launch CUDA step, CuPy, torch CUDA, contract and reliability tests on the GPU frameworks)"
-timeout "${GPU_TESTS_LIMIT:-190}" "$py" -m pytest -m gpu "${opts[@]}" \
+timeout "$(budget "${GPU_TESTS_LIMIT:-150}")" "$py" -m pytest -m gpu "${opts[@]}" \
     tests/test_cuda_gpu.py tests/test_cupy.py tests/test_scaler.py tests/test_overflow_detection.py \
     tests/test_reliability.py tests/test_torch.py tests/test_examples.py \
     2>&1 | tee "$out/gpu-tests.log"
 code=${PIPESTATUS[0]}
 if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then status=1; fi
-echo "== CUDA build and host tests (NVRTC and nvcc PTX for sm_80/sm_90, the kernels on the host)"
-timeout 60 "$py" -m pytest "${opts[@]}" tests/test_cuda_build.py tests/test_cuda_glue.py tests/test_codegen.py \
+echo "== CUDA build and host tests (NVRTC and nvcc PTX for sm_80/sm_90, the kernels on the host, the JAX handler)"
+timeout "$(budget 60)" "$py" -m pytest "${opts[@]}" tests/test_cuda_build.py tests/test_cuda_glue.py tests/test_codegen.py \
+    tests/test_jax_cuda.py \
     2>&1 | tee "$out/cuda-build-tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== GPU benchmark"
-timeout "${BENCH_LIMIT:-150}" "$py" benchmarks/run.py --backends "${BENCH_BACKENDS:-cupy,torch}" \
+timeout "$(budget "${BENCH_LIMIT:-110}")" "$py" benchmarks/run.py --backends "${BENCH_BACKENDS:-cupy,torch}" \
     --workloads W0,W1,W1h,W2 --quick --markdown --json "$out/gpu-benchmark.json" 2>&1 | tee "$out/gpu-benchmark.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$py" - "$out/gpu-benchmark.json" <<'PY' | tee "$out/gpu-targets.md"
@@ -122,12 +130,68 @@ if c1 and limit("W1"):
     show("CuPy W1 >= 0.85 L", f"{fraction:.2f} L", fraction >= 0.85)
 PY
 
-echo "== JAX tests with JAX on the GPU"
+echo "== JAX tests with JAX on the GPU (the CUDA custom call, then the JAX backend's tests)"
 if "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-    timeout "${JAX_TESTS_LIMIT:-50}" "$py" -m pytest "${opts[@]}" \
-        tests/test_jax.py tests/test_scaler.py tests/test_overflow_detection.py -k "jax" \
+    timeout "$(budget "${JAX_TESTS_LIMIT:-90}")" "$py" -m pytest "${opts[@]}" \
+        tests/test_jax_cuda_gpu.py tests/test_jax_ffi.py tests/test_jax.py tests/test_scaler.py \
+        tests/test_overflow_detection.py -k "jax" \
         2>&1 | tee "$out/jax-gpu-tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+    echo "== JAX GPU benchmark (W1 with torch's rows in the same run, then W2 and W0)"
+    jax_bench_start=$SECONDS
+    for workload in W1 W2 W0; do
+        backends=jax
+        [ "$workload" = W1 ] && backends=torch,jax  # torch's fused kernel, timed beside JAX
+        left=$(( ${JAX_BENCH_LIMIT:-120} - (SECONDS - jax_bench_start) ))
+        [ "$left" -gt 5 ] || { echo "JAX benchmark: no time left for $workload"; status=1; break; }
+        timeout "$(budget "$left")" "$py" benchmarks/run.py --backends "$backends" --workloads "$workload" --quick \
+            --markdown --json "$out/jax-gpu-benchmark-$workload.json" 2>&1 | tee "$out/jax-gpu-benchmark-$workload.md"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+    "$py" - "$out" <<'PY' | tee "$out/jax-gpu-targets.md"
+import json
+import os
+import sys
+
+
+def rows(workload):
+    path = os.path.join(sys.argv[1], f"jax-gpu-benchmark-{workload}.json")
+    return json.load(open(path)) if os.path.exists(path) else []
+
+
+def row(workload, backend, name):
+    return next((r for r in rows(workload) if r["backend"] == backend and r["name"] == name), None)
+
+
+def show(target, value, ok):
+    print(f"| {target} | {value} | {'met' if ok else 'NOT met'} |")
+
+
+print("| JAX GPU target | measured | |\n|---|---|---|")
+step, loop = "ampscale jax (jit, donated)", "ampscale jax in a jitted loop (4 steps per call)"
+xla = "ampscale jax, pure-XLA path (jit, donated)"
+fused = row("W1", "torch-cuda", "torch fused kernel only")
+for workload in ("W1", "W2", "W0"):
+    for name in (step, loop, xla):
+        r = row(workload, "jax-gpu", name)
+        if r:
+            print(f"| {workload} {name} | {r['seconds'] * 1e3:.3f} ms, {r['launches']} launches/step | {r['note']} |")
+for name in (step, loop):
+    r = row("W1", "jax-gpu", name)
+    if r and fused:
+        ratio = r["seconds"] / fused["seconds"]
+        show(f"JAX W1 ({name}) within 1.2x of torch's fused kernel", f"{ratio:.2f}x", ratio <= 1.2)
+    elif not r:
+        show(f"JAX W1 ({name}) within 1.2x of torch's fused kernel", "not measured", False)
+r, x = row("W2", "jax-gpu", step), row("W2", "jax-gpu", xla)
+if r:
+    show("JAX W2 >= 5x faster than the 19 ms measured before", f"{19e-3 / r['seconds']:.1f}x", r["seconds"] <= 19e-3 / 5)
+    if x:
+        print(f"| JAX W2 against the pure-XLA path in this run | {x['seconds'] / r['seconds']:.1f}x | |")
+else:
+    show("JAX W2 >= 5x faster than the 19 ms measured before", "not measured", False)
+PY
 else
     echo "JAX has no GPU here: skipped"
 fi

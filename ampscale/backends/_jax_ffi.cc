@@ -9,8 +9,8 @@
  * XLA's convert does (NaN payloads included), and a flag that is true when every value is
  * finite.
  *
- * The target's contract, shared by every platform's handler (a CUDA handler is registered
- * under the same name with the same operands, results and attributes):
+ * The target's contract, shared by every platform's handler (the CUDA handler, _jax_ffi_cuda.cc,
+ * is registered under the same name with the same operands, results and attributes):
  *
  *   name:     "ampscale_check_and_unscale_v1" (a new operand or result gets a new name)
  *   operands: 0:      inv_scale, float32[] (0-d): the factor every value is multiplied by
@@ -25,6 +25,8 @@
  *             quiets signalling NaNs and flushes denormals on the CPU, and so does this), in
  *             the floating-point environment of the thread XLA runs the call on; the flag
  *             tests the values stored (a scale below 1 can overflow a finite value to inf).
+ *             Each handler stores what XLA's multiply and convert store on its platform (NaN
+ *             payloads included), so the results are XLA's there, bit for bit.
  *
  * Threads: above the kernels' parallel threshold the element range is split as the NumPy
  * extension splits it, and the pieces run on XLA's intra-op thread pool. The calling thread

@@ -355,7 +355,7 @@ def _eager(leaves: list[Any]) -> bool:
 
 
 def _check_and_unscale(leaves: list[Any], inv_scale: Any, custom_call: bool = True) -> tuple[list[Any], Any]:
-    """The CPU custom call where it can run (see ``_jax_custom_call``), else the XLA path."""
+    """The custom call (CPU or CUDA) where it can run (see ``_jax_custom_call``), else the XLA path."""
     if custom_call:
         fused = _jax_custom_call.check_and_unscale(leaves, inv_scale)
         if fused is not None:
