@@ -522,3 +522,14 @@ def test_exports_stay_portable_and_can_keep_the_call_for_cuda(cuda_state) -> Non
     out, finite = kept.call(LEAVES)  # and it runs here, on the CPU
     assert bool(finite)
     np.testing.assert_array_equal(np.asarray(out[0]), np.full(3, 0.5, np.float32))
+
+
+def test_info_and_doctor_say_where_cuda_stands(capsys) -> None:
+    from ampscale.__main__ import info
+
+    status = jax_backend.custom_call_status()
+    cuda = f"CUDA: {'on' if status.cuda_available else 'pure-XLA path'} ({status.cuda_reason})"
+    assert info() == 0
+    assert cuda in capsys.readouterr().out
+    scaler = ampscale.create_scaler(backend="jax").update(True)
+    assert cuda in ampscale.doctor(scaler).evidence["jax custom call"]

@@ -167,8 +167,9 @@ def test_scan_vmap_grad_and_transfer_guard() -> None:
     poison = jnp.array([False, False, True, False])
     scan = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))
     assert TARGET in scan.lower(scaler, jnp.ones(5)).as_text()
-    with jax.transfer_guard("disallow"):
-        (final, _), finites = scan(scaler, jnp.ones(5))
+    start = jnp.ones(5)
+    with jax.transfer_guard("disallow"):  # traced, compiled and run without a host transfer
+        (final, _), finites = scan(scaler, start)
     with _jax_custom_call.use_custom_call(False):
         (final_x, _), finites_x = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))(scaler, jnp.ones(5))
     assert np.asarray(finites).tolist() == np.asarray(finites_x).tolist() == [True, True, False, False]
