@@ -24,15 +24,18 @@ from ampscale.backends import _jax_custom_call  # noqa: E402
 from ampscale.backends import jax as jax_backend  # noqa: E402
 from tests.test_jax_ffi import (  # noqa: E402
     DTYPES,
-    INVERSES,
     _assert_same,
     _bits,
     _fused_jit,
-    _leaves,
     _np_dtype,
-    _specials,
+    _scaled_step,
     _xla_jit,
+    check_against_the_xla_path,
 )
+from tests.test_jax_ffi import (  # noqa: E402
+    test_every_float16_and_bfloat16_value_and_float_payloads as every_16_bit_value_and_float_payloads,
+)
+from tests.test_jax_ffi import test_scan_vmap_grad_and_transfer_guard as scan_vmap_grad_and_transfer_guard  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TARGET = _jax_custom_call.TARGET
@@ -68,33 +71,16 @@ SIZES = (0, 1, 7, 15, 16, 17, 33, 127, 1000, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CH
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(2))
 def test_bit_for_bit_the_xla_path_on_every_dtype(dtype: str, seed: int) -> None:
-    with jax.enable_x64(dtype == "float64"):
-        leaves = [jnp.asarray(x) for x in _leaves(dtype, seed, SIZES)]
-        leaves.append(jnp.asarray(_specials(_np_dtype(dtype))[seed]))  # a 0-d leaf
-        fused = _fused_jit()
-        for inv in INVERSES:
-            inv32 = jnp.float32(inv)
-            _assert_same(fused(leaves, inv32), _xla_jit(leaves, inv32))
-            clean = [jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in leaves]
-            _assert_same(fused(clean, inv32), _xla_jit(clean, inv32))
+    """Specials at the first, the last and random elements of leaves around the chunk sizes."""
+    check_against_the_xla_path(dtype, seed, SIZES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_16_bit_value_and_float_payloads(dtype: str) -> None:
-    """Every float16/bfloat16 pattern (every NaN payload), float32/64 NaN payloads: as XLA:GPU
-    rounds and stores them (bfloat16 by the device's cvt, NaNs as its multiply makes them)."""
-    with jax.enable_x64(dtype == "float64"):
-        np_dtype = _np_dtype(dtype)
-        if np_dtype.itemsize == 2:
-            values = np.arange(1 << 16, dtype=np.uint16).view(np_dtype)
-        else:
-            uint = {4: np.uint32, 8: np.uint64}[np_dtype.itemsize]
-            rng = np.random.default_rng(5)
-            values = rng.integers(0, np.iinfo(uint).max, 1 << 16, dtype=uint, endpoint=True).view(np_dtype)
-            values[:16] = _specials(np_dtype)[:16].repeat(2)[:16]
-        leaves = [jnp.asarray(values)]
-        for inv in (1.0, 0.5, 2.0, 1 / 3, 2.0**-24, 2.0**24, 0.0):
-            _assert_same(_fused_jit()(leaves, jnp.float32(inv)), _xla_jit(leaves, jnp.float32(inv)))
+    """``tests/test_jax_ffi.py``'s, with JAX on the GPU: every float16/bfloat16 pattern (every NaN
+    payload) and float32/64 NaN payloads, as XLA:GPU rounds and stores them (bfloat16 by the
+    device's cvt, NaNs as its multiply makes them)."""
+    every_16_bit_value_and_float_payloads(dtype)
 
 
 @pytest.mark.parametrize("group", [_jax_custom_call.GROUP, 3 * _jax.LEAVES + 7])
@@ -150,40 +136,11 @@ def test_donated_buffers_are_unscaled_in_place_and_others_copied() -> None:
     assert all(bool(jnp.all(o == 2)) for o in out)
 
 
-def _scaled_step(scaler, grads):
-    grads, finite = scaler.unscale(grads)
-    return grads, finite, scaler.update(finite)
-
-
 def test_scan_vmap_grad_and_transfer_guard() -> None:
-    scaler = ampscale.create_scaler(backend="jax", init_scale=2.0, growth_interval=1)
-
-    def body(carry, poison):
-        scaler, g = carry
-        g = jnp.where(poison, jnp.inf, g)
-        (g,), finite, scaler = _scaled_step(scaler, [g])
-        return (scaler, g * 2), finite
-
-    poison = jnp.array([False, False, True, False])
-    scan = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))
-    assert TARGET in scan.lower(scaler, jnp.ones(5)).as_text()
-    start = jnp.ones(5)
-    with jax.transfer_guard("disallow"):  # traced, compiled and run without a host transfer
-        (final, _), finites = scan(scaler, start)
-    with _jax_custom_call.use_custom_call(False):
-        (final_x, _), finites_x = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))(scaler, jnp.ones(5))
-    assert np.asarray(finites).tolist() == np.asarray(finites_x).tolist() == [True, True, False, False]
-    assert final.get_scale() == final_x.get_scale()
-
-    batched = jnp.ones((3, 4)).at[1, 2].set(jnp.nan)
-    (out,), finite = jax.jit(jax.vmap(lambda g: scaler.unscale([g])))(batched)
-    assert np.asarray(finite).tolist() == [True, False, True]
-    with _jax_custom_call.use_custom_call(False):
-        (out_x,), _ = jax.jit(jax.vmap(lambda g: scaler.unscale([g])))(batched)
-    np.testing.assert_array_equal(_bits(out), _bits(out_x))
-
-    grad = jax.grad(lambda x: jnp.sum(scaler.unscale([x * x])[0][0]))(jnp.arange(3.0))
-    np.testing.assert_array_equal(np.asarray(grad), np.arange(3.0))
+    """``tests/test_jax_ffi.py``'s, with JAX on the GPU: the scanned step lowers to the CUDA call
+    (its text is checked there), runs under ``transfer_guard("disallow")``, and agrees with the
+    pure-XLA path; ``vmap`` and ``grad`` take the pure-XLA path."""
+    scan_vmap_grad_and_transfer_guard()
 
 
 def test_shard_map_runs_it_on_each_gpu() -> None:
