@@ -10,14 +10,18 @@ backends for NumPy, CuPy, JAX and PyTorch. The three interfaces of patent CN1150
     grads, finite = scaler.unscale(grads, loss=scaled_loss)    # optimizer iteration ...
     scaler = scaler.update(finite)                             # ... (or scaler.step(...))
 
-``import ampscale`` imports no framework; backends load when first used. Framework helpers
-live in ``ampscale.torch`` (a drop-in ``GradScaler``), ``ampscale.jax`` (optax wrapper,
-``value_and_grad``) and ``ampscale.cupy``, imported on first attribute access.
+``import ampscale`` imports no framework; backends load when first used. Two modules add
+framework helpers: ``ampscale.torch`` (a drop-in ``GradScaler``; needs PyTorch) and
+``ampscale.jax`` (an optax wrapper and ``value_and_grad``; needs JAX). They are imported on
+first attribute access, and listed by ``dir(ampscale)`` only where their framework is
+installed. CuPy needs no helper module: ``create_scaler(backend="cupy")`` is the whole API.
+``ampscale.info()`` says which backends this machine can run.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from ampscale._config import PRESETS, FloorEvent, Preset, ScalerConfig
@@ -32,6 +36,7 @@ from ampscale._errors import (
     ScaleAtFloorWarning,
     StateDictError,
 )
+from ampscale._info import info
 from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler
 from ampscale._state_dict import FORMAT_VERSION
 from ampscale.backends import available_backends, get_backend
@@ -67,16 +72,26 @@ __all__ = [
     "diagnose",
     "doctor",
     "get_backend",
+    "info",
 ]
 
-_SUBMODULES = ("torch", "jax", "cupy")
+#: helper module -> (the framework it needs, the command that installs it)
+_SUBMODULES = {"torch": ("torch", "pip install 'ampscale[torch]'"), "jax": ("jax", "pip install 'ampscale[jax]'")}
 
 
 def __getattr__(name: str) -> ModuleType:
     if name in _SUBMODULES:
-        return importlib.import_module(f"ampscale.{name}")
+        framework, install = _SUBMODULES[name]
+        try:
+            return importlib.import_module(f"ampscale.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != framework:
+                raise
+            # AttributeError, so that hasattr(), inspect.getmembers() and help() carry on
+            raise AttributeError(f"ampscale.{name} needs {framework}, which is not installed: {install}") from exc
     raise AttributeError(f"module 'ampscale' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*__all__, *_SUBMODULES])
+    installed = [name for name, (framework, _) in _SUBMODULES.items() if importlib.util.find_spec(framework)]
+    return sorted([*__all__, *installed])

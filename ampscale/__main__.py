@@ -2,35 +2,38 @@
 
 from __future__ import annotations
 
-import importlib
+import json
 import sys
 
+__all__ = ["USAGE", "info", "main"]
+
 USAGE = """usage: python -m ampscale <command> [options]
+       python -m ampscale --version
 
 commands:
   demo   train an fp16 MLP three ways (fp32, fp16, fp16 + ampscale) and compare (--help for options)
-  info   show the version, the installed backends and the NumPy kernel in use
+  info   show the version and, per backend, whether it is installed and can compute on a device
+         (--json: the same facts as JSON, as ampscale.info() returns them)
 """
 
 
-def info() -> int:
-    import ampscale
-    from ampscale.backends import numpy as numpy_backend
+def info(args: list[str] | None = None) -> int:
+    """``python -m ampscale info [--json]``: print :func:`ampscale.info`'s facts."""
+    from ampscale._info import format_info
+    from ampscale._info import info as collect
 
-    print(f"ampscale {ampscale.__version__}")
-    print(f"backends installed: {', '.join(ampscale.available_backends())}")
-    if numpy_backend.NATIVE:
-        kernel = f"native ({numpy_backend.kernel_isa()}), {numpy_backend.num_threads()} threads"
-    else:
-        kernel = "pure NumPy (native kernel not built)"
-    print(f"numpy kernel: {kernel}")
-    if "jax" in ampscale.available_backends():  # imports jax; compiles its CPU handler on first use
-        print(f"jax custom call: {importlib.import_module('ampscale.backends.jax').custom_call_status()}")
-    print(f"presets: {', '.join(ampscale.PRESETS)}")
+    options = [] if args is None else args
+    unknown = [a for a in options if a != "--json"]
+    if unknown:
+        print(f"unknown option {unknown[0]!r} for info; accepted: --json", file=sys.stderr)
+        return 2
+    facts = collect()
+    print(json.dumps(facts, indent=2) if "--json" in options else format_info(facts))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: ``sys.argv[1:]``) and return its exit status."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "info":
-        return info()
+        return info(rest)
     if command in ("-V", "--version"):
         import ampscale
 

@@ -41,8 +41,13 @@ import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
+from ampscale._info import missing_framework
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ModuleNotFoundError as exc:  # say what to install, not only what is missing
+    raise missing_framework(__name__, exc) from exc
 
 from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config
 from ampscale._core import ScalerState, initial_values

@@ -41,9 +41,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
 
-import torch
-from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
-from torch.amp.grad_scaler import OptState
+from ampscale._info import missing_framework
+
+try:
+    import torch
+    from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
+    from torch.amp.grad_scaler import OptState
+except ModuleNotFoundError as exc:  # say what to install, not only what is missing
+    raise missing_framework(__name__, exc) from exc
 
 from ampscale._config import _UNSET, INT32_MAX, PRESETS, ScalerConfig, make_config
 from ampscale._core import ScalerState, initial_values
