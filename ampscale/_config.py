@@ -514,16 +514,35 @@ def _validate_rounded(c: ScalerConfig) -> None:
         )
 
 
-_UNSET: Final = object()
+class _Default:
+    """The default of a setting left out: a named singleton, so signatures read as what it means.
+
+    ``help(create_scaler)`` shows ``init_scale=<preset default>`` instead of an anonymous
+    ``<object object at 0x...>``; compare with ``is``.
+    """
+
+    __slots__ = ("_meaning",)
+
+    def __init__(self, meaning: str) -> None:
+        self._meaning = meaning
+
+    def __repr__(self) -> str:
+        return f"<{self._meaning}>"
+
+
+#: a setting left out takes the preset's default (``create_scaler``, ``GradScaler``)
+_UNSET: Final = _Default("preset default")
+#: a per-call ``axis_name`` left out takes the scaler's ``axis_name`` setting
+_SCALER_SETTING: Final = _Default("the scaler's axis_name")
 
 
 def make_config(preset: str = "torch", **settings: Any) -> ScalerConfig:
     """Resolve ``settings`` against ``preset``'s defaults and validate them.
 
-    Settings left out (or passed as :data:`UNSET`) take the preset's own default. Settings given
-    are read in that system's own terms; for single-factor presets (jmp, DeepSpeed, apex,
-    MindSpore, tf.keras) the backoff is ``1 / growth_factor`` unless ``backoff_rule`` is
-    changed too.
+    Settings left out (or passed as ``_UNSET``, shown as ``<preset default>``) take the preset's
+    own default. Settings given are read in that system's own terms; for single-factor presets
+    (jmp, DeepSpeed, apex, MindSpore, tf.keras) the backoff is ``1 / growth_factor`` unless
+    ``backoff_rule`` is changed too.
     """
     if not isinstance(preset, str) or preset not in PRESETS:
         raise _fail("preset", preset, f"one of {sorted(PRESETS)}")

@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ampscale._config import _UNSET, FloorEvent, ScalerConfig, make_config
+from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
@@ -220,6 +220,7 @@ class Scaler:
         is returned unchanged. Pass the result to :meth:`unscale` as ``loss=`` (or to
         :meth:`step`) so that a scaled loss that overflowed counts as an overflow of the step.
         """
+        _check_loss_is_array(loss)
         if not self._config.scales:
             return loss
         backend = self._backend_for((loss,), "loss")
@@ -228,7 +229,9 @@ class Scaler:
         return backend.multiply_by_scale(loss, backend.to_device_of(backend.scale_of(state), loss))
 
     # -- the optimizer-iteration interface --------------------------------------------------
-    def unscale(self, grads: Any, loss: Any = None, *, axis_name: Any = _UNSET, underflow: bool = False) -> Any:
+    def unscale(
+        self, grads: Any, loss: Any = None, *, axis_name: Any = _SCALER_SETTING, underflow: bool = False
+    ) -> Any:
         """Unscale ``grads`` and check them (and the scaled ``loss``, if given) for inf/nan.
 
         Args:
@@ -265,10 +268,11 @@ class Scaler:
         leaves, spec = backend.flatten(grads)
         backend.validate(leaves, spec)
         if loss is not None:
+            _check_loss_is_array(loss)
             backend.validate((loss,), None, "loss")
         like = leaves[0] if leaves else loss
         state = self._state_on(backend, like)
-        group = config.axis_name if axis_name is _UNSET else axis_name
+        group = config.axis_name if isinstance(axis_name, _Default) else axis_name
         if group is None and not underflow and leaves:
             # CUDA: check, unscale and the state transition in one launch (or two on torch)
             fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
@@ -389,7 +393,7 @@ class Scaler:
         opt_state: Any,
         *,
         loss: Any = None,
-        axis_name: Any = _UNSET,
+        axis_name: Any = _SCALER_SETTING,
     ) -> tuple[Any, Any, Scaler]:
         """One optimizer iteration: unscale, check, apply ``update_fn`` unless overflowed, update.
 
@@ -538,6 +542,16 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
+
+
+def _check_loss_is_array(loss: Any) -> None:
+    """A loss must be an array: a Python number cannot start a backward pass, so say what to pass."""
+    if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
+        raise TypeError(
+            f"loss must be an array of your framework (the value your backward pass starts from), "
+            f"not a Python {type(loss).__name__} ({loss!r}): for example np.float32(loss), "
+            "torch.tensor(loss) or jnp.float32(loss)"
+        )
 
 
 def _check_flag(flag: Any, name: str) -> None:
