@@ -21,6 +21,7 @@ runs on the CPU; ``--backend`` runs the same loop with JAX, PyTorch or CuPy arra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -32,11 +33,14 @@ from typing import Any
 import numpy as np
 
 import ampscale
+from ampscale._info import backend_info, missing_framework
 
 __all__ = ["RunResult", "main", "run_demo", "train"]
 
 INPUTS, HIDDEN, OUTPUTS = 32, 128, 512
 MODES = ("fp32", "fp16", "fp16 + ampscale")
+#: steps per run: the default, and the fewest that leave room for the scale to settle
+DEFAULT_STEPS, MIN_STEPS = 1000, 20
 
 
 # ------------------------------------------------------------------------------ arithmetic
@@ -76,7 +80,20 @@ class Arithmetic:
 
 
 def arithmetic_for(backend: str) -> Arithmetic:
-    """Build the :class:`Arithmetic` of ``backend`` ("numpy", "torch", "jax" or "cupy")."""
+    """Build the :class:`Arithmetic` of ``backend`` ("numpy", "torch", "jax" or "cupy").
+
+    Raises:
+        ModuleNotFoundError: the backend's framework is not installed (the message says how to
+            install it).
+        ValueError: an unknown backend.
+    """
+    try:
+        return _arithmetic_for(backend)
+    except ModuleNotFoundError as exc:
+        raise missing_framework(f"the demo's --backend {backend}", exc) from exc
+
+
+def _arithmetic_for(backend: str) -> Arithmetic:
     if backend == "numpy":
         import array_api_compat.numpy as xp
 
@@ -176,6 +193,23 @@ def adam(
     return params, (m, v)
 
 
+def _one_blas_thread(backend: str) -> contextlib.AbstractContextManager[Any]:
+    """Run NumPy's matrix products on one BLAS thread (where threadpoolctl is installed).
+
+    They are small (512 x 128 by 128 x 512): a second OpenBLAS thread gains little, and on a
+    busy machine its spin-waits cost several times the work (100 steps: 10 s instead of 40 s
+    on a loaded 2-core machine). Other backends keep their own thread settings.
+    """
+    if backend != "numpy":
+        return contextlib.nullcontext()
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    limits: contextlib.AbstractContextManager[Any] = threadpool_limits(limits=1, user_api="blas")
+    return limits
+
+
 @dataclasses.dataclass
 class RunResult:
     """One training run."""
@@ -189,6 +223,7 @@ class RunResult:
 
     @property
     def final_loss(self) -> float:
+        """The mean loss of the last 20 steps (one step's loss is noisy: it is one batch's)."""
         tail = self.losses[-20:]
         return float(np.mean(tail))
 
@@ -197,7 +232,7 @@ def train(
     mode: str,
     *,
     backend: str = "numpy",
-    steps: int = 1000,
+    steps: int = DEFAULT_STEPS,
     batch: int = 512,
     lr: float = 1e-3,
     seed: int = 0,
@@ -224,29 +259,30 @@ def train(
     rng = np.random.default_rng(seed + 2)
     losses, scales, skipped = [], [], []
     start = time.perf_counter()
-    for step in range(steps):
-        index = rng.integers(0, len(inputs), batch)
-        x, target = ar.asarray(inputs[index]), ar.asarray(targets[index])
-        scale = 1.0 if scaler is None else scaler.get_scale()
-        loss, grads = loss_and_grads(ar, params, x, target, half, scale)
-        lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay
-        if scaler is None:
-            applied += 1
-            params, opt_state = adam(xp, params, grads, opt_state, lr_now, applied)
-        else:
-            scaled_loss = scaler.scale(loss)
-
-            def update(p: Any, g: Any, s: Any, lr_now: float = lr_now, t: int = applied + 1) -> Any:
-                return adam(xp, p, g, s, lr_now, t)
-
-            params, opt_state, scaler = scaler.step(update, params, grads, opt_state, loss=scaled_loss)
-            if bool(scaler.outcome.applied):
+    with _one_blas_thread(ar.name):
+        for step in range(steps):
+            index = rng.integers(0, len(inputs), batch)
+            x, target = ar.asarray(inputs[index]), ar.asarray(targets[index])
+            scale = 1.0 if scaler is None else scaler.get_scale()
+            loss, grads = loss_and_grads(ar, params, x, target, half, scale)
+            lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay
+            if scaler is None:
                 applied += 1
+                params, opt_state = adam(xp, params, grads, opt_state, lr_now, applied)
             else:
-                skipped.append(step)
-        losses.append(ar.to_float(loss))
-        scales.append(scale)
-        on_step(step)
+                scaled_loss = scaler.scale(loss)
+
+                def update(p: Any, g: Any, s: Any, lr_now: float = lr_now, t: int = applied + 1) -> Any:
+                    return adam(xp, p, g, s, lr_now, t)
+
+                params, opt_state, scaler = scaler.step(update, params, grads, opt_state, loss=scaled_loss)
+                if bool(scaler.outcome.applied):
+                    applied += 1
+                else:
+                    skipped.append(step)
+            losses.append(ar.to_float(loss))
+            scales.append(scale)
+            on_step(step)
     seconds = time.perf_counter() - start
     return RunResult(mode, losses, scales, skipped, seconds, None if scaler is None else scaler.get_scale())
 
@@ -254,23 +290,46 @@ def train(
 # ------------------------------------------------------------------------------ reporting
 
 
-def _plot(results: list[RunResult], path: str) -> str:
+def _power_of_two(value: float) -> str:
+    """``2^32`` for powers of two, the plain number otherwise (as the header and plot show it)."""
+    mantissa, exponent = math.frexp(value)
+    return f"2^{exponent - 1}" if mantissa == 0.5 else f"{value:g}"
+
+
+def describe(args: argparse.Namespace, separator: str = "; ") -> str:
+    """Everything the run uses: the model and data, then ampscale's settings, joined by ``separator``."""
+    return (
+        f"MLP {INPUTS}-{HIDDEN}-{OUTPUTS}, Adam (lr {args.lr:g}, cosine), MSE over {args.batch}x{OUTPUTS} values, "
+        f"{args.steps} steps, seed {args.seed}, backend {args.backend}{separator}ampscale: preset {args.preset}, "
+        f"init scale {_power_of_two(args.init_scale)}, growth interval {args.growth_interval}"
+    )
+
+
+def _plot(results: list[RunResult], path: str, subtitle: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    colours = {"fp32": "#1f77b4", "fp16": "#d62728", "fp16 + ampscale": "#2ca02c"}
+    # fp16 + ampscale follows fp32 so closely that one line would hide the other: fp32 is drawn
+    # wide and pale underneath, ampscale narrow and dashed on top, so both stay visible.
+    styles = {
+        "fp32": {"color": "#1f77b4", "lw": 3.2, "alpha": 0.55, "zorder": 2},
+        "fp16": {"color": "#d62728", "lw": 1.3, "zorder": 3},
+        "fp16 + ampscale": {"color": "#2ca02c", "lw": 1.2, "ls": (0, (4, 2)), "zorder": 4},
+    }
     for r in results:
-        top.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", color=colours[r.mode], lw=1.4)
+        top.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", **styles[r.mode])
     top.set_yscale("log")
     top.set_ylabel("training loss (MSE)")
-    top.set_title("fp16 training: unscaled gradients underflow, ampscale tracks fp32")
+    top.set_title("fp16 training: unscaled gradients underflow, ampscale tracks fp32\n" + subtitle, fontsize=9.5)
     top.legend()
     top.grid(True, which="both", alpha=0.3)
     scaled = next(r for r in results if r.mode == "fp16 + ampscale")
-    bottom.plot(scaled.scales, color=colours["fp16 + ampscale"], lw=1.4, label="loss scale")
+    bottom.plot(
+        scaled.scales, color=styles["fp16 + ampscale"]["color"], lw=1.4, drawstyle="steps-post", label="loss scale"
+    )
     if scaled.skipped:
         bottom.scatter(
             scaled.skipped,
@@ -312,13 +371,10 @@ def run_demo(args: argparse.Namespace) -> list[RunResult]:
         "init_scale": args.init_scale,
         "growth_interval": args.growth_interval,
     }
-    header = (
-        f"ampscale demo: MLP {INPUTS}-{HIDDEN}-{OUTPUTS}, Adam, MSE over {args.batch}x{OUTPUTS} values, "
-        f"{args.steps} steps, backend {args.backend}, preset {args.preset}"
-    )
+    header = f"ampscale demo: {describe(args)}"
     if Console is not None:
         console = Console() if sys.stdout.isatty() else Console(width=110)
-        console.print(f"[bold]{header}[/bold]")
+        console.print(f"[bold]{header}[/bold]", soft_wrap=True)  # one line, as the plain output
         columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             for mode in modes:
@@ -349,7 +405,7 @@ def run_demo(args: argparse.Namespace) -> list[RunResult]:
                 f"{r.final_loss:.3g}",
                 f"{r.final_loss / fp32:.3g}x",
                 str(len(r.skipped)) if r.final_scale is not None else "-",
-                f"{r.final_scale:.6g}" if r.final_scale is not None else "-",
+                _power_of_two(r.final_scale) if r.final_scale is not None else "-",
                 f"{r.seconds:.1f} s",
             ]
         )
@@ -367,7 +423,7 @@ def run_demo(args: argparse.Namespace) -> list[RunResult]:
             print("  ".join(f"{cell:>14}" for cell in row))
     if not args.no_plot:
         try:
-            path = _plot(results, args.out)
+            path = _plot(results, args.out, describe(args, separator="\n"))
         except ImportError:
             print("matplotlib is not installed: no plot (pip install 'ampscale[demo]')")
         else:
@@ -375,7 +431,18 @@ def run_demo(args: argparse.Namespace) -> list[RunResult]:
     return results
 
 
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {MIN_STEPS}; got {text!r}") from None
+    if value < MIN_STEPS:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_STEPS}; got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line (``python -m ampscale demo --help``)."""
     parser = argparse.ArgumentParser(
         prog="python -m ampscale demo",
         description="Train the same fp16 MLP three ways (fp32, fp16, fp16 + ampscale) and compare.",
@@ -386,7 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["numpy", "torch", "jax", "cupy"],
         help="array library to train with (default: %(default)s)",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="training steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--steps",
+        type=_steps,
+        default=DEFAULT_STEPS,
+        help=f"training steps per run, at least {MIN_STEPS} (default: %(default)s)",
+    )
     parser.add_argument("--batch", type=int, default=512, help="batch size (default: %(default)s)")
     parser.add_argument(
         "--lr", type=float, default=1e-3, help="Adam learning rate, cosine-decayed (default: %(default)s)"
@@ -417,9 +489,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m ampscale demo [options]``: the exit status (argparse exits on bad options).
+
+    A backend whose framework is missing, or that has no usable device, is reported in one
+    line (what is missing and the command that fixes it) with exit status 2, before any work.
+    """
     args = build_parser().parse_args(argv)
-    if args.steps < 20:
-        print("--steps must be at least 20", file=sys.stderr)
-        return 2
+    if args.backend != "numpy":
+        facts = backend_info(args.backend)
+        if not facts["usable"]:
+            print(
+                f"ampscale demo: --backend {args.backend} cannot run here: {facts['problem']}; fix: {facts['fix']}",
+                file=sys.stderr,
+            )
+            return 2
     run_demo(args)
     return 0
