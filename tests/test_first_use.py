@@ -119,3 +119,17 @@ def test_a_python_number_as_the_loss_says_what_to_pass(loss) -> None:
         scaler.unscale([np.ones(2, np.float32)], loss=loss)
     assert scaler.state is None  # nothing changed
     assert float(scaler.scale(np.float64(0.5))) == 32768.0  # NumPy scalars are arrays
+
+
+def test_outcome_reason_is_a_code_on_the_device_and_a_name_on_the_host() -> None:
+    scaler = ampscale.create_scaler()
+    assert scaler.outcome.to_dict()["reason"] == "no step yet"
+    cases = [
+        (np.float32(1.0), np.ones(2, np.float32), 0, "applied"),
+        (np.float32(np.inf), np.ones(2, np.float32), 1, "loss"),
+        (np.float32(1.0), np.array([1.0, np.nan], np.float32), 2, "gradients"),
+    ]
+    for loss, grad, code, name in cases:
+        _, _, scaler = scaler.step(lambda p, g, s: (p, s), [], [grad], (), loss=loss)
+        assert int(scaler.outcome.reason) == code
+        assert scaler.outcome.to_dict()["reason"] == name == ampscale.StepOutcome.reason_name(code)
