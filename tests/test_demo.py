@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -50,6 +52,9 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys) -> None:
         assert setting in header
     assert "fp16 + ampscale" in text
     assert "final loss" in text
+    if importlib.util.find_spec("matplotlib") is None:  # the demo extra is not installed
+        assert "matplotlib is not installed: no plot (pip install 'ampscale[demo]')" in text
+        return
     assert f"plot saved to {out}" in text
     assert out.stat().st_size > 10_000
 

@@ -64,14 +64,21 @@ def run_block(block: Block) -> subprocess.CompletedProcess[str]:
 ALL_BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 
 
+#: ampscale's framework helpers need their framework
+HELPERS = {"ampscale.torch": "torch", "ampscale.jax": "jax"}
+
+
 def imported_modules(code: str) -> set[str]:
-    """Top-level names of every module the code imports."""
-    names = set()
+    """Top-level names of every module the code imports (the framework for ampscale's helpers)."""
+    dotted = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            dotted.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            dotted.add(node.module)
+            dotted.update(f"{node.module}.{alias.name}" for alias in node.names)
+    names = {name.split(".")[0] for name in dotted}
+    names.update(framework for helper, framework in HELPERS.items() if helper in dotted)
     return names
 
 
@@ -128,11 +135,10 @@ def test_the_block_rules_catch_what_they_claim_to(tmp_path) -> None:
     assert run_block(continued).stdout == "2\n"
     assert "NameError" in run_block(leaning).stderr
     assert expected_prints(continued.own) == ["2"]
-    assert imported_modules("import jax.numpy as jnp\nfrom cupy.cuda import nccl\nimport numpy") == {
-        "jax",
-        "cupy",
-        "numpy",
-    }
+    code = "import jax.numpy as jnp\nfrom cupy.cuda import nccl\nimport numpy"
+    assert imported_modules(code) == {"jax", "cupy", "numpy"}
+    assert imported_modules("import ampscale.torch") == {"ampscale", "torch"}
+    assert imported_modules("from ampscale import jax") == {"ampscale", "jax"}
     assert missing("import surely_not_a_module_ampscale_uses") is not None
 
 
@@ -153,11 +159,12 @@ def test_presets_table_matches_the_code() -> None:
 
 
 def test_files_the_docs_cite_exist() -> None:
-    """Paths the docs name (``tests/...``, ``examples/...``, ``benchmarks/...``) are in the tree."""
-    cited = set()
-    for page in PAGES:
-        cited.update(
-            re.findall(r"`((?:tests|examples|benchmarks|ampscale|scripts)/[\w./-]+\.\w+)`", (ROOT / page).read_text())
-        )
+    """Paths the docs name (``tests/...``, ``examples/...``, ``ampscale/...``) exist."""
+    import ampscale
+
+    pattern = r"`((?:tests|examples|benchmarks|ampscale|scripts)/[\w./-]+\.\w+)`"
+    cited = {path for page in PAGES for path in re.findall(pattern, (ROOT / page).read_text())}
     assert cited, "the pattern finds the citations"
-    assert sorted(path for path in cited if not (ROOT / path).exists()) == []
+    installed = pathlib.Path(ampscale.__file__).parent.parent  # the source tree, or site-packages
+    absent = [p for p in cited if not (installed if p.startswith("ampscale/") else ROOT).joinpath(p).exists()]
+    assert sorted(absent) == []
