@@ -189,7 +189,7 @@ class NumpyBackend(Backend):
             if tiny is not None:
                 values = np.asarray(leaves[i])
                 wide = values.astype(np.float64) if values.dtype.kind != "f" or values.itemsize < 4 else values
-                tiny[0] += int(np.count_nonzero(np.abs(wide) < np.finfo(values.dtype).smallest_normal))
+                tiny[0] += int(np.count_nonzero(np.abs(wide) < _smallest_normal(values.dtype)))
             leaf, leaf_finite = _check_and_unscale_numpy(leaves[i], inv, multiply and inv != 1.0)
             leaves[i] = leaf
             finite &= leaf_finite
@@ -383,6 +383,15 @@ def _check_and_unscale_numpy_quiet(leaf: Any, inv: float, multiply: bool) -> tup
     if isinstance(leaf, np.generic):
         return out[()], finite
     return out, finite
+
+
+def _smallest_normal(dtype: np.dtype) -> float:
+    """The smallest normal value of a floating dtype; NumPy's ``finfo`` rejects ml_dtypes' types."""
+    if dtype.kind == "f":
+        return float(np.finfo(dtype).smallest_normal)
+    import ml_dtypes  # a bfloat16 or float8 array exists, so ml_dtypes is installed
+
+    return float(ml_dtypes.finfo(dtype).smallest_normal)
 
 
 def _warn_no_native() -> None:
