@@ -95,18 +95,25 @@ def test_info_says_cupy_is_not_usable_when_its_driver_is_missing(monkeypatch, ca
     assert "fix:" in lines[0]
 
 
-def test_info_command_prints_the_facts() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "ampscale", "info", "--json"], capture_output=True, text=True, check=True, timeout=300
-    )
-    facts = json.loads(result.stdout)
-    text = ampscale._info.format_info(facts)
+def test_info_command_prints_the_facts(capsys) -> None:
+    assert main(["info", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert text == ampscale._info.format_info(facts)
     assert text.splitlines()[0] == f"ampscale {ampscale.__version__} (Python {facts['python']}, {facts['platform']})"
     assert "numpy: usable on cpu" in text
     assert "kernel:" in text
     if not facts["backends"]["cupy"]["installed"]:
         assert "cupy: not installed; to install: pip install 'ampscale[cupy]'" in text
     assert main(["info", "--yaml"]) == 2
+
+
+def test_python_m_ampscale_runs_the_command_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ampscale", "--version"], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == ampscale.__version__
 
 
 @pytest.mark.parametrize("loss", [0.5, 1, True])
