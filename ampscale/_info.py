@@ -50,8 +50,9 @@ def info(backends: Iterable[str] | None = None) -> dict[str, Any]:
 
     Example:
         >>> import ampscale
-        >>> facts = ampscale.info(["numpy"])
-        >>> facts["backends"]["numpy"]["usable"], facts["backends"]["numpy"]["devices"]
+        >>> backends = ampscale.info(["numpy"])["backends"]
+        >>> numpy_facts = backends["numpy"]
+        >>> numpy_facts["usable"], numpy_facts["devices"]
         (True, ['cpu'])
     """
     import ampscale
