@@ -154,6 +154,8 @@ def _undocumented(module_name: str) -> list[str]:
     missing = []
     for name in getattr(module, "__all__", [n for n in dir(module) if not n.startswith("_")]):
         obj = getattr(module, name)
+        if not getattr(obj, "__module__", "ampscale").startswith("ampscale"):
+            continue  # re-exported from a framework (torch's OptState): documented there
         if inspect.isfunction(obj) and not obj.__doc__:
             missing.append(f"{module_name}.{name}")
         if not inspect.isclass(obj):
