@@ -531,9 +531,9 @@ class _Default:
 
 
 #: a setting left out takes the preset's default (``create_scaler``, ``GradScaler``)
-_UNSET: Final = _Default("preset default")
+_UNSET: Final[Any] = _Default("preset default")  # Any: it stands in for a value of any setting's type
 #: a per-call ``axis_name`` left out takes the scaler's ``axis_name`` setting
-_SCALER_SETTING: Final = _Default("the scaler's axis_name")
+_SCALER_SETTING: Final[Any] = _Default("the scaler's axis_name")
 
 
 def make_config(preset: str = "torch", **settings: Any) -> ScalerConfig:
