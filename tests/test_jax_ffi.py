@@ -485,7 +485,8 @@ def test_info_and_doctor_show_it(capsys) -> None:
     from ampscale.__main__ import info
 
     assert info() == 0
-    assert "jax custom call: on (" in capsys.readouterr().out
+    assert "\n  custom call: on (" in capsys.readouterr().out  # under the jax line
+    assert ampscale.info(["jax"])["backends"]["jax"]["details"]["custom call"].startswith("on (")
     scaler = ampscale.create_scaler(backend="jax").update(True)
     assert ampscale.doctor(scaler).evidence["jax custom call"].startswith("on (")
     with _jax_custom_call.use_custom_call(False):
