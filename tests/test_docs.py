@@ -64,8 +64,8 @@ def run_block(block: Block) -> subprocess.CompletedProcess[str]:
 ALL_BLOCKS = [block for page in PAGES for block in python_blocks(page)]
 
 
-#: ampscale's framework helpers need their framework
-HELPERS = {"ampscale.torch": "torch", "ampscale.jax": "jax"}
+#: ampscale's modules named after a framework (ampscale.torch, ampscale.backends.jax, ...) need it
+FRAMEWORKS = ("torch", "jax", "cupy")
 
 
 def imported_modules(code: str) -> set[str]:
@@ -78,7 +78,9 @@ def imported_modules(code: str) -> set[str]:
             dotted.add(node.module)
             dotted.update(f"{node.module}.{alias.name}" for alias in node.names)
     names = {name.split(".")[0] for name in dotted}
-    names.update(framework for helper, framework in HELPERS.items() if helper in dotted)
+    for name in dotted:
+        if name.startswith("ampscale."):
+            names.update(part for part in name.split(".") if part in FRAMEWORKS)
     return names
 
 
@@ -140,6 +142,7 @@ def test_the_block_rules_catch_what_they_claim_to(tmp_path) -> None:
     assert imported_modules(code) == {"jax", "cupy", "numpy"}
     assert imported_modules("import ampscale.torch") == {"ampscale", "torch"}
     assert imported_modules("from ampscale import jax") == {"ampscale", "jax"}
+    assert imported_modules("import ampscale.backends.jax as jax_backend") == {"ampscale", "jax"}
     assert missing("import surely_not_a_module_ampscale_uses") is not None
 
 
