@@ -197,6 +197,37 @@ def test_the_threaded_split_flags_the_overflow_in_any_part(kernel: Any) -> None:
     assert _run(kernel, np.ones(size, np.float32), "float32", 4.0, True, threads=4)[1] is True
 
 
+EXPONENT = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_counting_variant_stores_and_flags_what_the_plain_kernel_does(kernel: Any, dtype: str) -> None:
+    """Underflow tracking runs separate kernels: they must write the same bits and raise the same
+    flag as the plain ones, at every size (vector loops and tails), and count the inputs whose
+    exponent bits are all zero (zeros and subnormals), specials mixed in."""
+    rng = np.random.default_rng(5)
+    kind = _np_dtype(dtype)
+    tiny = {"float16": 2.0**-20, "bfloat16": 1e-39, "float32": 1e-40, "float64": 1e-310}[dtype]
+    for size in [*SIZES, 4099]:
+        for special in (None, np.inf, np.nan, BIG[dtype]):
+            values = rng.standard_normal(size) * 8.0
+            values[rng.random(size) < 0.2] = 0.0
+            values[rng.random(size) < 0.2] = tiny
+            if special is not None:
+                values[rng.integers(size)] = special
+            values = values.astype(kind)
+            expected_count = int(np.count_nonzero((_bits(values).astype(np.uint64) & np.uint64(EXPONENT[dtype])) == 0))
+            for inv, multiply in ((2.0**-16, True), (8.0, True), (1.0, True), (8.0, False)):
+                plain, plain_finite = _run(kernel, values, dtype, inv, multiply)
+                counted = values.copy()
+                view = counted.view(np.uint16) if dtype == "bfloat16" else counted
+                finite, count = kernel([view], KINDS[dtype], inv, multiply, 1, True)
+                case = (size, special, inv, multiply)
+                assert finite is plain_finite, case
+                assert count == expected_count, case
+                np.testing.assert_array_equal(_bits(counted), _bits(plain), err_msg=str(case))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_underflow_count_matches_numpy_past_two_to_the_twenty_zeros(kernel: Any, dtype: str) -> None:
     """More than 2**20 zeros: a 16-bit lane counter then holds 32768 before its flush."""

@@ -399,6 +399,93 @@ AVX2_TARGET static int kernel_f32_avx2x(void *data, ptrdiff_t n, float inv, int 
     return bad;
 }
 
+/* Counting variants of the two explicit AVX2 kernels. Without them underflow tracking on an
+ * AVX2 CPU fell back to the portable loops: half precision then converted in software, about
+ * fifteen times slower than the plain kernel. The count is of the inputs' "exponent bits all
+ * zero" lanes (a compare gives -1 per lane, subtracted from a lane counter); the flag is of the
+ * values stored, as in the plain kernels. */
+AVX2_TARGET static long long count_f16_f16c(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+    uint16_t *x = (uint16_t *)data;
+    const __m128i exponent = _mm_set1_epi16(0x7c00), zero = _mm_setzero_si128();
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m128i flags = _mm_setzero_si128();
+    long long tiny = 0;
+    ptrdiff_t i = 0;
+    while (i + 16 <= n) {
+        /* each 16-bit lane counter gains at most 2 per iteration: flushed every 16384 */
+        ptrdiff_t block_end = i + ((n - i) / 16 < 16384 ? (n - i) / 16 : 16384) * 16;
+        __m128i counts = _mm_setzero_si128();
+        for (; i < block_end; i += 16) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(x + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(x + i + 8));
+            counts = _mm_sub_epi16(counts, _mm_cmpeq_epi16(_mm_and_si128(a, exponent), zero));
+            counts = _mm_sub_epi16(counts, _mm_cmpeq_epi16(_mm_and_si128(b, exponent), zero));
+            if (multiply) {
+                a = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(a), vinv), _MM_FROUND_TO_NEAREST_INT);
+                b = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(b), vinv), _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128((__m128i *)(x + i), a);
+                _mm_storeu_si128((__m128i *)(x + i + 8), b);
+            }
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(a, exponent), exponent));
+            flags = _mm_or_si128(flags, _mm_cmpeq_epi16(_mm_and_si128(b, exponent), exponent));
+        }
+        /* widen the eight unsigned 16-bit lanes to 32 bits and add them up */
+        __m128i wide = _mm_add_epi32(_mm_unpacklo_epi16(counts, zero), _mm_unpackhi_epi16(counts, zero));
+        wide = _mm_add_epi32(wide, _mm_shuffle_epi32(wide, 0x4e));
+        wide = _mm_add_epi32(wide, _mm_shuffle_epi32(wide, 0xb1));
+        tiny += (long long)(uint32_t)_mm_cvtsi128_si32(wide);
+    }
+    int tail_bad = 0;
+    if (i < n) tiny += count_f16_avx2(x + i, n - i, inv, multiply, &tail_bad);
+    *bad = (!_mm_testz_si128(flags, flags)) | tail_bad;
+    return tiny;
+}
+
+AVX2_TARGET static long long count_f32_avx2x(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+    float *x = (float *)data;
+    const __m256i exponent = _mm256_set1_epi32(0x7f800000), zero = _mm256_setzero_si256();
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i f0 = _mm256_setzero_si256(), f1 = _mm256_setzero_si256();
+    /* two lane counters, each gaining at most 2 per iteration: 32 bits hold 2**30 iterations,
+     * flushed every 2**24 */
+    long long tiny = 0;
+    ptrdiff_t i = 0;
+#define AMPSCALE_F32_COUNT(v, c) \
+    c = _mm256_sub_epi32(c, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), zero))
+#define AMPSCALE_F32_FLAG(v, f) \
+    f = _mm256_or_si256(f, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent))
+    while (i + 32 <= n) {
+        ptrdiff_t block_end = i + ((n - i) / 32 < ((ptrdiff_t)1 << 24) ? (n - i) / 32 : ((ptrdiff_t)1 << 24)) * 32;
+        __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+        for (; i < block_end; i += 32) {
+            __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+            AMPSCALE_F32_COUNT(a, c0); AMPSCALE_F32_COUNT(b, c1); AMPSCALE_F32_COUNT(c, c0); AMPSCALE_F32_COUNT(d, c1);
+            if (multiply) {
+                a = _mm256_mul_ps(a, vinv); b = _mm256_mul_ps(b, vinv);
+                c = _mm256_mul_ps(c, vinv); d = _mm256_mul_ps(d, vinv);
+                _mm256_storeu_ps(x + i, a);
+                _mm256_storeu_ps(x + i + 8, b);
+                _mm256_storeu_ps(x + i + 16, c);
+                _mm256_storeu_ps(x + i + 24, d);
+            }
+            AMPSCALE_F32_FLAG(a, f0); AMPSCALE_F32_FLAG(b, f1); AMPSCALE_F32_FLAG(c, f0); AMPSCALE_F32_FLAG(d, f1);
+        }
+        __m256i sum = _mm256_add_epi32(c0, c1);
+        __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+        half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+        tiny += (long long)(uint32_t)_mm_cvtsi128_si32(half);
+    }
+#undef AMPSCALE_F32_COUNT
+#undef AMPSCALE_F32_FLAG
+    f0 = _mm256_or_si256(f0, f1);
+    int tail_bad = 0;
+    if (i < n) tiny += count_f32_avx2(x + i, n - i, inv, multiply, &tail_bad);
+    *bad = (!_mm256_testz_si256(f0, f0)) | tail_bad;
+    return tiny;
+}
+
 /* AVX-512: 64 float32 (or 32 float16/bfloat16, 32 float64) elements per iteration. */
 
 AVX512_TARGET static int kernel_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
@@ -613,33 +700,52 @@ static const char *kernel_isa = "generic";
 static count_kernel_fn count_kernels[KIND_COUNT] = {count_f16_generic, count_bf16_generic, count_f32_generic,
                                                     count_f64_generic};
 
-static void select_kernels(void) {
+/* Kernel families, in order: each one is used only where the CPU has its instructions. */
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_BEST = 2 };
+
+/* Install the fastest family up to `ceiling` that this CPU supports, every plain and counting
+ * kernel together. Returns 0, or -1 (nothing changed) when `ceiling` is ISA_AVX2 and the CPU
+ * lacks AVX2/FMA/F16C. */
+static int select_isa(int ceiling) {
+    kernel_fn plain[KIND_COUNT] = {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic,
+                                   kernel_f64_generic};
+    count_kernel_fn counting[KIND_COUNT] = {count_f16_generic, count_bf16_generic, count_f32_generic,
+                                            count_f64_generic};
+    const char *isa = "generic";
 #if AMPSCALE_X86_DISPATCH
     __builtin_cpu_init();
     int avx2 = AMPSCALE_CPU_HAS("avx2") && AMPSCALE_CPU_HAS("fma") && AMPSCALE_CPU_HAS("f16c");
-    if (avx2) {
-        count_kernels[KIND_F16] = count_f16_avx2;
-        count_kernels[KIND_BF16] = count_bf16_avx2;
-        count_kernels[KIND_F32] = count_f32_avx2;
-        count_kernels[KIND_F64] = count_f64_avx2;
+    if (ceiling == ISA_AVX2 && !avx2) return -1;
+    if (ceiling >= ISA_AVX2 && avx2) {
+        plain[KIND_F16] = kernel_f16_f16c;
+        plain[KIND_BF16] = kernel_bf16_avx2;
+        plain[KIND_F32] = kernel_f32_avx2x;
+        plain[KIND_F64] = kernel_f64_avx2;
+        counting[KIND_F16] = count_f16_f16c;
+        counting[KIND_BF16] = count_bf16_avx2;
+        counting[KIND_F32] = count_f32_avx2x;
+        counting[KIND_F64] = count_f64_avx2;
+        isa = "avx2+f16c";
     }
-    if (avx2 && AMPSCALE_CPU_HAS("avx512f") && AMPSCALE_CPU_HAS("avx512bw")) {
-        kernels[KIND_F16] = kernel_f16_avx512;
-        kernels[KIND_BF16] = kernel_bf16_avx512;
-        kernels[KIND_F32] = kernel_f32_avx512;
-        kernels[KIND_F64] = kernel_f64_avx512;
-        count_kernels[KIND_F32] = count_f32_avx512;
-        count_kernels[KIND_F16] = count_f16_avx512;
-        kernel_isa = "avx512";
-    } else if (avx2) {
-        kernels[KIND_F16] = kernel_f16_f16c;
-        kernels[KIND_BF16] = kernel_bf16_avx2;
-        kernels[KIND_F32] = kernel_f32_avx2x;
-        kernels[KIND_F64] = kernel_f64_avx2;
-        kernel_isa = "avx2+f16c";
+    if (ceiling >= ISA_BEST && avx2 && AMPSCALE_CPU_HAS("avx512f") && AMPSCALE_CPU_HAS("avx512bw")) {
+        plain[KIND_F16] = kernel_f16_avx512;
+        plain[KIND_BF16] = kernel_bf16_avx512;
+        plain[KIND_F32] = kernel_f32_avx512;
+        plain[KIND_F64] = kernel_f64_avx512;
+        counting[KIND_F32] = count_f32_avx512;
+        counting[KIND_F16] = count_f16_avx512;
+        isa = "avx512";
     }
+#else
+    if (ceiling == ISA_AVX2) return -1;
 #endif
+    memcpy(kernels, plain, sizeof plain);
+    memcpy(count_kernels, counting, sizeof counting);
+    kernel_isa = isa;
+    return 0;
 }
+
+static void select_kernels(void) { (void)select_isa(ISA_BEST); }
 
 /* ---------------------------------------------------------------- work splitting */
 

@@ -243,33 +243,17 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     (void)self;
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    if (strcmp(name, "generic") == 0) {
-        kernels[KIND_F16] = kernel_f16_generic;
-        kernels[KIND_BF16] = kernel_bf16_generic;
-        kernels[KIND_F32] = kernel_f32_generic;
-        kernels[KIND_F64] = kernel_f64_generic;
-        count_kernels[KIND_F16] = count_f16_generic;
-        count_kernels[KIND_BF16] = count_bf16_generic;
-        count_kernels[KIND_F32] = count_f32_generic;
-        count_kernels[KIND_F64] = count_f64_generic;
-        kernel_isa = "generic";
-    } else if (strcmp(name, "best") == 0) {
-        select_kernels();
-#if AMPSCALE_X86_DISPATCH
-    } else if (strcmp(name, "avx2") == 0) {
-        if (!(AMPSCALE_CPU_HAS("avx2") && AMPSCALE_CPU_HAS("f16c"))) {
-            PyErr_SetString(PyExc_ValueError, "use_isa: this CPU has no AVX2/F16C");
-            return NULL;
-        }
-        kernels[KIND_F16] = kernel_f16_f16c;
-        kernels[KIND_BF16] = kernel_bf16_avx2;
-        kernels[KIND_F32] = kernel_f32_avx2x;
-        kernels[KIND_F64] = kernel_f64_avx2;
-        kernel_isa = "avx2+f16c";
-#endif
-    } else {
+    int ceiling = strcmp(name, "generic") == 0 ? ISA_GENERIC
+                  : strcmp(name, "avx2") == 0  ? ISA_AVX2
+                  : strcmp(name, "best") == 0  ? ISA_BEST
+                                               : -1;
+    if (ceiling < 0) {
         PyErr_Format(PyExc_ValueError, "use_isa: name must be 'generic', 'avx2' or 'best'; got %R",
                      PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    if (select_isa(ceiling) < 0) {
+        PyErr_SetString(PyExc_ValueError, "use_isa: this CPU has no AVX2/FMA/F16C");
         return NULL;
     }
     return PyUnicode_FromString(kernel_isa);
