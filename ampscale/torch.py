@@ -755,10 +755,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 raise AssertionError("No inf checks were recorded prior to update.")
             loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
             config = self._config
-            ops = self._host_ops
-            if ops is None or ops.config is not config:
-                ops = self._host_ops = config._cache.get("host") or HostOps(config)
-                config._cache["host"] = ops
+            ops = self._host_transition()
             scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_array is None else scale_array.item()
             old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
@@ -822,12 +819,17 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             return BACKEND.read_state(new)
         return None
 
-    def _lowest_after_update(self, scale: float) -> float:
+    def _host_transition(self) -> HostOps:
+        """The compiled host transition of the current settings (cached on them and here)."""
         ops = self._host_ops
-        if ops is None or ops.config is not self._config:
-            ops = self._host_ops = self._config._cache.get("host") or HostOps(self._config)
-            self._config._cache["host"] = ops
-        return float(ops.shrink(scale)) if self._config.dynamic else scale
+        config = self._config
+        if ops is None or ops.config is not config:
+            ops = self._host_ops = config._cache.get("host") or HostOps(config)
+            config._cache["host"] = ops
+        return ops
+
+    def _lowest_after_update(self, scale: float) -> float:
+        return float(self._host_transition().shrink(scale)) if self._config.dynamic else scale
 
     def _react_to_floor(self, values: ScalerState) -> None:
         Scaler(self._config)._react_to_floor(values)
