@@ -694,54 +694,56 @@ AVX512_TARGET static long long count_f16_avx512(void *data, ptrdiff_t n, float i
 }
 #endif
 
-static kernel_fn kernels[KIND_COUNT] = {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic,
-                                        kernel_f64_generic};
-static const char *kernel_isa = "generic";
-static count_kernel_fn count_kernels[KIND_COUNT] = {count_f16_generic, count_bf16_generic, count_f32_generic,
-                                                    count_f64_generic};
+/* A kernel family: the plain and the counting kernel of each kind, in KIND_* order. */
+typedef struct {
+    const char *isa;
+    kernel_fn plain[KIND_COUNT];
+    count_kernel_fn counting[KIND_COUNT];
+} KernelFamily;
 
-/* Kernel families, in order: each one is used only where the CPU has its instructions. */
+#define GENERIC_PLAIN {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic, kernel_f64_generic}
+#define GENERIC_COUNTING {count_f16_generic, count_bf16_generic, count_f32_generic, count_f64_generic}
+
+static const KernelFamily generic_family = {"generic", GENERIC_PLAIN, GENERIC_COUNTING};
+#if AMPSCALE_X86_DISPATCH
+static const KernelFamily avx2_family = {
+    "avx2+f16c",
+    {kernel_f16_f16c, kernel_bf16_avx2, kernel_f32_avx2x, kernel_f64_avx2},
+    {count_f16_f16c, count_bf16_avx2, count_f32_avx2x, count_f64_avx2}};
+/* bfloat16 and float64 counting have no AVX-512 kernels: the AVX2 ones serve */
+static const KernelFamily avx512_family = {
+    "avx512",
+    {kernel_f16_avx512, kernel_bf16_avx512, kernel_f32_avx512, kernel_f64_avx512},
+    {count_f16_avx512, count_bf16_avx2, count_f32_avx512, count_f64_avx2}};
+#endif
+
+/* The kernels in use (the portable family until select_isa() runs). */
+static kernel_fn kernels[KIND_COUNT] = GENERIC_PLAIN;
+static count_kernel_fn count_kernels[KIND_COUNT] = GENERIC_COUNTING;
+static const char *kernel_isa = "generic";
+
+/* Ceilings for select_isa(), in order: each family is used only where the CPU has its instructions. */
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_BEST = 2 };
 
 /* Install the fastest family up to `ceiling` that this CPU supports, every plain and counting
  * kernel together. Returns 0, or -1 (nothing changed) when `ceiling` is ISA_AVX2 and the CPU
  * lacks AVX2/FMA/F16C. */
 static int select_isa(int ceiling) {
-    kernel_fn plain[KIND_COUNT] = {kernel_f16_generic, kernel_bf16_generic, kernel_f32_generic,
-                                   kernel_f64_generic};
-    count_kernel_fn counting[KIND_COUNT] = {count_f16_generic, count_bf16_generic, count_f32_generic,
-                                            count_f64_generic};
-    const char *isa = "generic";
+    const KernelFamily *family = &generic_family;
 #if AMPSCALE_X86_DISPATCH
     __builtin_cpu_init();
     int avx2 = AMPSCALE_CPU_HAS("avx2") && AMPSCALE_CPU_HAS("fma") && AMPSCALE_CPU_HAS("f16c");
     if (ceiling == ISA_AVX2 && !avx2) return -1;
-    if (ceiling >= ISA_AVX2 && avx2) {
-        plain[KIND_F16] = kernel_f16_f16c;
-        plain[KIND_BF16] = kernel_bf16_avx2;
-        plain[KIND_F32] = kernel_f32_avx2x;
-        plain[KIND_F64] = kernel_f64_avx2;
-        counting[KIND_F16] = count_f16_f16c;
-        counting[KIND_BF16] = count_bf16_avx2;
-        counting[KIND_F32] = count_f32_avx2x;
-        counting[KIND_F64] = count_f64_avx2;
-        isa = "avx2+f16c";
-    }
+    if (ceiling >= ISA_AVX2 && avx2) family = &avx2_family;
     if (ceiling >= ISA_BEST && avx2 && AMPSCALE_CPU_HAS("avx512f") && AMPSCALE_CPU_HAS("avx512bw")) {
-        plain[KIND_F16] = kernel_f16_avx512;
-        plain[KIND_BF16] = kernel_bf16_avx512;
-        plain[KIND_F32] = kernel_f32_avx512;
-        plain[KIND_F64] = kernel_f64_avx512;
-        counting[KIND_F32] = count_f32_avx512;
-        counting[KIND_F16] = count_f16_avx512;
-        isa = "avx512";
+        family = &avx512_family;
     }
 #else
     if (ceiling == ISA_AVX2) return -1;
 #endif
-    memcpy(kernels, plain, sizeof plain);
-    memcpy(count_kernels, counting, sizeof counting);
-    kernel_isa = isa;
+    memcpy(kernels, family->plain, sizeof kernels);
+    memcpy(count_kernels, family->counting, sizeof count_kernels);
+    kernel_isa = family->isa;
     return 0;
 }
 
