@@ -137,19 +137,16 @@ def cases(workload: str) -> list[Case]:
             if status.cuda_available
             else f"no custom call: {status.cuda_reason}"
         )
+
+    def row(name: str, step_and_sync: tuple[Any, Any], **extra: Any) -> None:
+        step, sync = step_and_sync
+        out.append(Case(label, workload, name, step, moved, device=device, sync=sync, **extra))
+
     compiled, seconds = _compiled(ampscale_step, data["grads"], scalers[0])
-    step, sync = _per_step(compiled, data, list(scalers))
-    out.append(
-        Case(
-            label,
-            workload,
-            "ampscale jax (jit, donated)",
-            step,
-            moved,
-            note=f"compile {seconds:.1f} s; {fused_note}",
-            device=device,
-            sync=sync,
-        )
+    row(
+        "ampscale jax (jit, donated)",
+        _per_step(compiled, data, list(scalers)),
+        note=f"compile {seconds:.1f} s; {fused_note}",
     )
 
     def xla_step(g: Any, scaler: Any) -> Any:  # a function of its own: jit caches traces per function
@@ -157,50 +154,23 @@ def cases(workload: str) -> list[Case]:
 
     with jax_backend.use_custom_call(False):
         compiled, seconds = _compiled(xla_step, data["grads"], scalers[0])
-    step, sync = _per_step(compiled, data, list(scalers))
-    out.append(
-        Case(
-            label,
-            workload,
-            "ampscale jax, pure-XLA path (jit, donated)",
-            step,
-            moved,
-            note=f"compile {seconds:.1f} s",
-            device=device,
-            sync=sync,
-        )
+    row(
+        "ampscale jax, pure-XLA path (jit, donated)",
+        _per_step(compiled, data, list(scalers)),
+        note=f"compile {seconds:.1f} s",
     )
 
     compiled, seconds = _compiled(_loop(ampscale_step), data["grads"], tuple(scalers))
-    step, sync = _looped(compiled, data, tuple(scalers))
-    out.append(
-        Case(
-            label,
-            workload,
-            f"ampscale jax in a jitted loop ({LOOP_STEPS} steps per call)",
-            step,
-            moved,
-            note=f"compile {seconds:.1f} s",
-            device=device,
-            sync=sync,
-            steps_per_call=LOOP_STEPS,
-        )
+    row(
+        f"ampscale jax in a jitted loop ({LOOP_STEPS} steps per call)",
+        _looped(compiled, data, tuple(scalers)),
+        note=f"compile {seconds:.1f} s",
+        steps_per_call=LOOP_STEPS,
     )
 
     # The floor of a jitted call that takes and returns the same donated arrays (and a state).
     compiled, _ = _compiled(lambda g, s: (g, s), data["grads"], scalers[0])
-    step, sync = _per_step(compiled, data, list(scalers))
-    out.append(
-        Case(
-            label,
-            workload,
-            f"floor: jitted identity on {len(grads)} donated arrays",
-            step,
-            moved,
-            device=device,
-            sync=sync,
-        )
-    )
+    row(f"floor: jitted identity on {len(grads)} donated arrays", _per_step(compiled, data, list(scalers)))
 
     if importlib.util.find_spec("jmp") is not None:
         import jmp
@@ -215,35 +185,19 @@ def cases(workload: str) -> list[Case]:
         jmp_data = {"grads": _arrays(workload)} if workload == "W1h" else data
         jmp_jit = jax.jit(jmp_step, donate_argnums=0)
         states[0], seconds = _first_call(jmp_jit, jmp_data, states[0])
-        step, sync = _per_step(jmp_jit, jmp_data, states)
-        out.append(
-            Case(
-                label,
-                workload,
-                "jmp (jit, donated)",
-                step,
-                moved,
-                anchor=True,
-                note=f"compile {seconds:.1f} s{note}",
-                device=device,
-                sync=sync,
-            )
+        row(
+            "jmp (jit, donated)",
+            _per_step(jmp_jit, jmp_data, states),
+            anchor=True,
+            note=f"compile {seconds:.1f} s{note}",
         )
         if workload != "W1h":  # a loop cannot carry float16 gradients that jmp returns as float32
             looped = jax.jit(_loop(jmp_step), donate_argnums=0)
             loop_states, seconds = _first_call(looped, data, tuple(states))
-            step, sync = _looped(looped, data, loop_states)
-            out.append(
-                Case(
-                    label,
-                    workload,
-                    f"jmp in a jitted loop ({LOOP_STEPS} steps per call)",
-                    step,
-                    moved,
-                    note=f"compile {seconds:.1f} s",
-                    device=device,
-                    sync=sync,
-                    steps_per_call=LOOP_STEPS,
-                )
+            row(
+                f"jmp in a jitted loop ({LOOP_STEPS} steps per call)",
+                _looped(looped, data, loop_states),
+                note=f"compile {seconds:.1f} s",
+                steps_per_call=LOOP_STEPS,
             )
     return out
