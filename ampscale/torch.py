@@ -69,7 +69,7 @@ class SettingError(ValueError, AssertionError):
     """A bad setting: a ``ValueError`` naming it, and an ``AssertionError`` like torch's checks."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """What :meth:`GradScaler.step` did.
 
@@ -87,6 +87,22 @@ class StepResult:
 
     def __bool__(self) -> bool:
         return bool(self.applied)
+
+
+_new_object = object.__new__
+_set_applied: Any = vars(StepResult)["applied"].__set__  # the slots' own setters
+_set_retval: Any = vars(StepResult)["retval"].__set__
+_set_found_inf: Any = vars(StepResult)["found_inf"].__set__
+
+
+def _step_result(applied: bool | torch.Tensor, retval: Any, found_inf: torch.Tensor) -> StepResult:
+    """``StepResult(applied, retval, found_inf)`` at half the cost (the frozen ``__init__``
+    goes through ``object.__setattr__``; ``step()`` makes one per call)."""
+    result: StepResult = _new_object(StepResult)
+    _set_applied(result, applied)
+    _set_retval(result, retval)
+    _set_found_inf(result, found_inf)
+    return result
 
 
 #: ``found_inf`` of a step that checked nothing (a disabled scaler): shared, never written
@@ -679,12 +695,17 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             raise AssertionError("No inf checks were recorded for this optimizer.")
         self._step_applied = None
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        found_inf = self._sum_found(found, scale.device)
-        applied: bool | torch.Tensor = self._step_applied
+        if len(found) == 1 and scale.is_cpu:
+            (found_inf,) = found.values()
+            if not found_inf.is_cpu:
+                found_inf = self._sum_found(found, scale.device)
+        else:
+            found_inf = self._sum_found(found, scale.device)
+        applied: bool | torch.Tensor | None = self._step_applied
         if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
             applied = found_inf == 0
         optimizer_state["stage"] = OptState.STEPPED
-        return StepResult(applied, retval, found_inf)
+        return _step_result(applied, retval, found_inf)
 
     def _step_amp_aware(
         self, optimizer: Any, optimizer_state: dict[str, Any], scale: torch.Tensor, args: Any, kwargs: dict[str, Any]
@@ -755,7 +776,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 raise AssertionError("No inf checks were recorded prior to update.")
             loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
             config = self._config
-            ops = self._host_transition()
+            ops = self._host_ops
+            if ops is None or ops.config is not config:
+                ops = self._host_transition()
             scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_array is None else scale_array.item()
             old_tracker = tracker.item() if tracker_array is None else tracker_array.item()

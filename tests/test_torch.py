@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pickle
 
@@ -147,6 +148,14 @@ def test_step_returns_an_outcome() -> None:
     assert float(result.found_inf) == 1.0
     scaler.update()
     assert scaler.scaler.outcome.to_dict()["reason"] == "gradients"
+    # step() builds its result without __init__: it is the same frozen value
+    same = amp_torch.StepResult(result.applied, result.retval, result.found_inf)
+    assert result == same
+    assert repr(result) == repr(same)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.applied = True  # type: ignore[misc]
+    copied = pickle.loads(pickle.dumps(result))
+    assert (copied.applied, copied.retval, float(copied.found_inf)) == (False, None, 1.0)
 
 
 def test_scaled_loss_overflow_skips_the_step() -> None:

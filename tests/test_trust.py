@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ampscale
@@ -180,6 +180,50 @@ def test_aliasing_property_every_element_once_or_refused_untouched(fw: Framework
     touched = frozenset().union(*sets)
     expected = np.array([v / 2 if i in touched else v for i, v in enumerate(base_values)])
     np.testing.assert_array_equal(fw.to_numpy(base), expected)
+
+
+@pytest.mark.parametrize("short", [True, False], ids=["short list", "long list"])
+@CHEAP
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12), st.integers(1, 4)), min_size=1, max_size=4),
+    where=st.integers(0, 400),
+    empty=st.booleans(),
+)
+@example(specs=[(0, 6, 1), (5, 12, 1)], where=7, empty=True)  # one element shared: refused
+@example(specs=[(0, 6, 1), (6, 12, 1)], where=3, empty=False)  # touching, not sharing: once each
+@example(specs=[(0, 12, 1), (0, 12, 1), (4, 5, 1)], where=0, empty=True)  # a repeat, and a part of it
+def test_torch_shared_memory_check_is_the_same_for_short_and_long_lists(
+    short: bool, specs: list, where: int, empty: bool
+) -> None:
+    """The torch backend checks lists of up to ``_SMALL_LIST`` tensors in plain Python and
+    longer ones with NumPy: slices of one buffer, put among 300 unrelated tensors (and an
+    empty one), are unscaled once each or refused untouched, whichever way is taken."""
+    torch = pytest.importorskip("torch")
+    import ampscale.backends.torch as torch_backend
+
+    others = [torch.full((3,), 8.0) for _ in range(300 if not short else 20)]
+    if empty:
+        others.append(torch.empty(0))
+    base = torch.arange(1, 13, dtype=torch.float32)
+    views = [base[start:stop:step] for start, stop, step in specs]
+    where %= len(others) + 1
+    tree = others[:where] + views + others[where:]
+    sets = [frozenset(range(12)[start:stop:step]) for start, stop, step in specs]
+    nonempty = [s for s in sets if s]
+    conflict = any(a != b and a & b for i, a in enumerate(nonempty) for b in nonempty[i + 1 :])
+    assert (len(tree) <= torch_backend._SMALL_LIST) == short
+    scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
+    if conflict:
+        with pytest.raises(ampscale.AliasedGradientsError):
+            scaler.unscale(tree)
+        assert torch.equal(base, torch.arange(1, 13, dtype=torch.float32))
+        assert all(torch.equal(t, torch.full((3,), 8.0)) for t in others if t.numel() == 3)
+        return
+    scaler.unscale(tree)
+    touched = frozenset().union(*sets)
+    expected = [v / 2 if i in touched else float(v) for i, v in enumerate(range(1, 13))]
+    assert base.tolist() == expected
+    assert all(t.tolist() == [4.0] * 3 for t in others if t.numel() == 3)
 
 
 def test_numpy_same_bytes_as_two_dtypes_or_read_only_beside_writable_are_refused() -> None:

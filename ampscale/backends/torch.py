@@ -209,6 +209,10 @@ def _memory_of(t: torch.Tensor) -> torch.Tensor:
     return t._values() if t.is_sparse else t
 
 
+#: lists up to this length are checked for shared memory without NumPy
+_SMALL_LIST = 256
+
+
 def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | None = None) -> list[torch.Tensor]:
     """The leaves to run the kernel on: each memory location once, checked before any change.
 
@@ -230,7 +234,7 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | N
             return leaves
         return _self_overlaps(leaves, writes)
     try:
-        starts = np.fromiter(map(_DATA_PTR, leaves), np.int64, len(leaves))
+        pointers = list(map(_DATA_PTR, leaves))
     except RuntimeError:  # sparse tensors have no data pointer: their values are what changes
         return _distinct_memory_sparse(leaves, writes)
     dense = all(map(_IS_CONTIGUOUS, leaves))
@@ -238,6 +242,22 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | N
         leaves = _self_overlaps(leaves, writes)
     if not writes:
         return leaves
+    if dense and len(leaves) <= _SMALL_LIST:
+        # a short list (a small model's gradients): plain Python, since NumPy's calls on a few
+        # dozen values cost more than the work (and their code evicts the caller's from cache)
+        if itemsize is None:
+            spans = sorted(zip(pointers, map(_NBYTES, leaves), strict=True))
+        else:
+            spans = sorted(zip(pointers, map(_NUMEL, leaves), strict=True))
+        end = 0
+        for start, size in spans:
+            if size and start:  # empty and meta tensors have no memory
+                if start < end:
+                    break
+                end = start + (size if itemsize is None else size * itemsize)
+        else:
+            return leaves
+    starts = np.array(pointers, np.int64)
     # a contiguous tensor spans its numel() elements; the few others are measured one by one
     if dense and itemsize is not None:
         sizes = np.fromiter(map(_NUMEL, leaves), np.int64, len(leaves)) * itemsize
