@@ -228,6 +228,55 @@ def test_the_counting_variant_stores_and_flags_what_the_plain_kernel_does(kernel
                 np.testing.assert_array_equal(_bits(counted), _bits(plain), err_msg=str(case))
 
 
+def _at_offset(values: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of ``values`` starting ``offset`` elements past a 64-byte boundary."""
+    raw = np.zeros(values.nbytes + (offset + 1) * values.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64 + offset * values.itemsize
+    out = raw[start : start + values.nbytes].view(values.dtype)
+    out[...] = values
+    assert (out.ctypes.data - offset * values.itemsize) % 64 == 0
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_start_within_a_cache_line_gives_the_same_bits_flag_and_count(kernel: Any, dtype: str) -> None:
+    """The AVX-512 kernels leave the elements before the first 64-byte boundary to the AVX2
+    ones: for every start offset within a cache line, with an overflow or a nan in the head,
+    at its last element, at the first of the loop or in the tail, the stored bits, the flag and
+    the underflow count are those of the reference."""
+    kind = _np_dtype(dtype)
+    per_line = 64 // np.dtype(kind).itemsize
+    rng = np.random.default_rng(11)
+    for size in (1, per_line - 1, per_line + 1, 3 * per_line + 5, 200):
+        base = rng.standard_normal(size) * 4.0
+        base[rng.random(size) < 0.25] = 0.0
+        for offset in range(per_line):
+            head = (per_line - offset) % per_line
+            for position in sorted({None, 0, head - 1, head, size - 1} - {-1}, key=lambda p: -1 if p is None else p):
+                if position is not None and position >= size:
+                    continue
+                for special in (np.nan, BIG[dtype]) if position is not None else (None,):
+                    values = base.copy()
+                    if position is not None:
+                        values[position] = special
+                    values = values.astype(kind)
+                    inv = 8.0  # a scale of 1/8: a big finite input overflows when unscaled
+                    expected = _reference(values, inv)
+                    bad = ~np.isfinite(expected.astype(np.float64))
+                    zeros = int(np.count_nonzero((_bits(values).astype(np.uint64) & np.uint64(EXPONENT[dtype])) == 0))
+                    case = (size, offset, position, special)
+                    plain = _at_offset(values, offset)
+                    view = plain.view(np.uint16) if dtype == "bfloat16" else plain
+                    assert kernel([view], KINDS[dtype], inv, True, 1) is (not bad.any()), case
+                    np.testing.assert_array_equal(_bits(plain), _bits(expected), err_msg=str(case))
+                    counted = _at_offset(values, offset)
+                    view = counted.view(np.uint16) if dtype == "bfloat16" else counted
+                    finite, count = kernel([view], KINDS[dtype], inv, True, 1, True)
+                    assert finite is (not bad.any()), case
+                    assert count == zeros, case
+                    np.testing.assert_array_equal(_bits(counted), _bits(expected), err_msg=str(case))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_underflow_count_matches_numpy_past_two_to_the_twenty_zeros(kernel: Any, dtype: str) -> None:
     """More than 2**20 zeros: a 16-bit lane counter then holds 32768 before its flush."""

@@ -488,7 +488,20 @@ AVX2_TARGET static long long count_f32_avx2x(void *data, ptrdiff_t n, float inv,
 
 /* AVX-512: 64 float32 (or 32 float16/bfloat16, 32 float64) elements per iteration. */
 
-AVX512_TARGET static int kernel_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+/* How many of the first elements to leave to the AVX2 kernel so that the AVX-512 loop starts on
+ * a 64-byte boundary (0 where it cannot: an address that is not a multiple of the element
+ * size). NumPy and torch align large buffers to 16 bytes only, and on Intel cores a 64-byte
+ * load or store that straddles two cache lines costs about twice one that does not: every
+ * vector of the loop would straddle, which made this family slower than AVX2 on float32. */
+static inline ptrdiff_t head_to_line(const void *data, size_t size, ptrdiff_t n) {
+    uintptr_t address = (uintptr_t)data;
+    if (address % size) return 0;
+    ptrdiff_t head = (ptrdiff_t)(((64 - address % 64) % 64) / size);
+    return head < n ? head : n;
+}
+
+
+AVX512_TARGET static int kernel_f32_avx512_body(void *data, ptrdiff_t n, float inv, int multiply) {
     float *x = (float *)data;
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -520,7 +533,7 @@ AVX512_TARGET static int kernel_f32_avx512(void *data, ptrdiff_t n, float inv, i
     return bad;
 }
 
-AVX512_TARGET static int kernel_f64_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+AVX512_TARGET static int kernel_f64_avx512_body(void *data, ptrdiff_t n, float inv, int multiply) {
     double *x = (double *)data;
     const __m512i exponent = _mm512_set1_epi64(0x7ff0000000000000ll);
     const __m512d vinv = _mm512_set1_pd((double)inv);
@@ -551,7 +564,7 @@ AVX512_TARGET static inline __m512i f16x32_unscale(__m512i a, __m512 vinv) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-AVX512_TARGET static int kernel_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+AVX512_TARGET static int kernel_f16_avx512_body(void *data, ptrdiff_t n, float inv, int multiply) {
     uint16_t *x = (uint16_t *)data;
     const __m512i exponent = _mm512_set1_epi16(0x7c00);
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -574,7 +587,7 @@ AVX512_TARGET static int kernel_f16_avx512(void *data, ptrdiff_t n, float inv, i
     return bad;
 }
 
-AVX512_TARGET static int kernel_bf16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+AVX512_TARGET static int kernel_bf16_avx512_body(void *data, ptrdiff_t n, float inv, int multiply) {
     uint16_t *x = (uint16_t *)data;
     const __m512i exponent = _mm512_set1_epi16(0x7f80);
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -609,7 +622,7 @@ AVX512_TARGET static int kernel_bf16_avx512(void *data, ptrdiff_t n, float inv, 
 
 /* AVX-512 counting variants: the main loops plus a popcount of the "exponent bits all zero"
  * mask per vector, so underflow tracking rides the same pass at almost no cost. */
-AVX512_TARGET static long long count_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+AVX512_TARGET static long long count_f32_avx512_body(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
     float *x = (float *)data;
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
     const __m512i zero = _mm512_setzero_si512();
@@ -658,7 +671,7 @@ AVX512_TARGET static inline long long u16_lanes_sum(__m512i counts) {
     return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_and_si512(counts, low), _mm512_srli_epi32(counts, 16)));
 }
 
-AVX512_TARGET static long long count_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+AVX512_TARGET static long long count_f16_avx512_body(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
     uint16_t *x = (uint16_t *)data;
     const __m512i exponent = _mm512_set1_epi16(0x7c00);
     const __m512i zero = _mm512_setzero_si512();
@@ -690,6 +703,46 @@ AVX512_TARGET static long long count_f16_avx512(void *data, ptrdiff_t n, float i
     int tail_bad = 0;
     if (i < n) tiny += count_f16_avx2(x + i, n - i, inv, multiply, &tail_bad);
     *bad = (flags != 0) | tail_bad;
+    return tiny;
+}
+#endif
+
+#if AMPSCALE_X86_DISPATCH
+/* The AVX-512 kernels: the head up to a cache line by the AVX2 kernel, the rest by the loop. */
+AVX512_TARGET static int kernel_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+    ptrdiff_t head = head_to_line(data, 4, n);
+    int bad = head ? kernel_f32_avx2(data, head, inv, multiply) : 0;
+    return bad | kernel_f32_avx512_body((char *)data + head * 4, n - head, inv, multiply);
+}
+AVX512_TARGET static int kernel_f64_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+    ptrdiff_t head = head_to_line(data, 8, n);
+    int bad = head ? kernel_f64_avx2(data, head, inv, multiply) : 0;
+    return bad | kernel_f64_avx512_body((char *)data + head * 8, n - head, inv, multiply);
+}
+AVX512_TARGET static int kernel_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+    ptrdiff_t head = head_to_line(data, 2, n);
+    int bad = head ? kernel_f16_f16c(data, head, inv, multiply) : 0;
+    return bad | kernel_f16_avx512_body((char *)data + head * 2, n - head, inv, multiply);
+}
+AVX512_TARGET static int kernel_bf16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
+    ptrdiff_t head = head_to_line(data, 2, n);
+    int bad = head ? kernel_bf16_avx2(data, head, inv, multiply) : 0;
+    return bad | kernel_bf16_avx512_body((char *)data + head * 2, n - head, inv, multiply);
+}
+AVX512_TARGET static long long count_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+    ptrdiff_t head = head_to_line(data, 4, n);
+    int head_bad = 0;
+    long long tiny = head ? count_f32_avx2(data, head, inv, multiply, &head_bad) : 0;
+    tiny += count_f32_avx512_body((char *)data + head * 4, n - head, inv, multiply, bad);
+    *bad |= head_bad;
+    return tiny;
+}
+AVX512_TARGET static long long count_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
+    ptrdiff_t head = head_to_line(data, 2, n);
+    int head_bad = 0;
+    long long tiny = head ? count_f16_avx2(data, head, inv, multiply, &head_bad) : 0;
+    tiny += count_f16_avx512_body((char *)data + head * 2, n - head, inv, multiply, bad);
+    *bad |= head_bad;
     return tiny;
 }
 #endif
