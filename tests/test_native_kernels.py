@@ -279,16 +279,17 @@ def test_every_start_within_a_cache_line_gives_the_same_bits_flag_and_count(kern
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_underflow_count_matches_numpy_past_two_to_the_twenty_zeros(kernel: Any, dtype: str) -> None:
-    """More than 2**20 zeros: a 16-bit lane counter then holds 32768 before its flush."""
+    """More than 2**21 zeros: a 16-bit lane counter then holds 32768 before its flush (32 or 64
+    float16 values an iteration, 2**15 iterations between flushes)."""
     kind = _np_dtype(dtype)
-    size = (1 << 21) + 77
-    values = np.zeros(size, dtype=kind)  # the first 2**20 all zero: every lane fills up
-    values[(1 << 20) + 3 :: 97] = 1.0
-    values[(1 << 20) + 5 :: 1013] = {"float16": 2.0**-20, "bfloat16": 1e-39, "float32": 1e-40, "float64": 1e-310}[dtype]
+    size = (1 << 22) + 77
+    values = np.zeros(size, dtype=kind)  # the first 2**21 all zero: every lane fills up
+    values[(1 << 21) + 3 :: 97] = 1.0
+    values[(1 << 21) + 5 :: 1013] = {"float16": 2.0**-20, "bfloat16": 1e-39, "float32": 1e-40, "float64": 1e-310}[dtype]
     magnitude = np.abs(values.astype(np.float64))
     smallest_normal = 2.0**-126 if dtype == "bfloat16" else float(np.finfo(kind).smallest_normal)
     expected = int(np.count_nonzero(magnitude < smallest_normal))
-    assert expected > 1 << 20
+    assert expected > 1 << 21
     for threads in (1, 3):
         for multiply in (True, False):
             buffer = values.copy()

@@ -188,8 +188,24 @@ static inline int emulated_testz_si256(__m256i a, __m256i b) {
     EMULATED_LANES(uint64_t, y, 4, b);
     return ((x[0] & y[0]) | (x[1] & y[1]) | (x[2] & y[2]) | (x[3] & y[3])) == 0;
 }
+static inline __mmask16 emulated_testn_epi32_mask(__m512i a, __m512i b) {
+    EMULATED_LANES(uint32_t, x, 16, a);
+    EMULATED_LANES(uint32_t, y, 16, b);
+    __mmask16 m = 0;
+    for (int k = 0; k < 16; k++) m |= (__mmask16)(((x[k] & y[k]) == 0) << k);
+    return m;
+}
+static inline __mmask32 emulated_testn_epi16_mask(__m512i a, __m512i b) {
+    EMULATED_LANES(uint16_t, x, 32, a);
+    EMULATED_LANES(uint16_t, y, 32, b);
+    __mmask32 m = 0;
+    for (int k = 0; k < 32; k++) m |= (__mmask32)(((x[k] & y[k]) == 0) ? 1u << k : 0u);
+    return m;
+}
 #undef _mm_testz_si128
 #undef _mm256_testz_si256
+#undef _mm512_testn_epi32_mask
+#undef _mm512_testn_epi16_mask
 #define _mm_testz_si128 emulated_testz_si128
 #define _mm256_testz_si256 emulated_testz_si256
 #define _mm512_cvtph_ps emulated_cvtph_ps
@@ -198,6 +214,8 @@ static inline int emulated_testz_si256(__m256i a, __m256i b) {
 #define _mm512_cvtepu16_epi32 emulated_cvtepu16_epi32
 #define _mm512_cvtepi32_epi16 emulated_cvtepi32_epi16
 #define _mm512_reduce_add_epi32 emulated_reduce_add_epi32
+#define _mm512_testn_epi32_mask emulated_testn_epi32_mask
+#define _mm512_testn_epi16_mask emulated_testn_epi16_mask
 #endif
 
 /* ---------------------------------------------------------------- portable kernels
@@ -505,16 +523,16 @@ AVX512_TARGET static int kernel_f32_avx512_body(void *data, ptrdiff_t n, float i
     float *x = (float *)data;
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
     const __m512 vinv = _mm512_set1_ps(inv);
-    __mmask16 flags = 0;
+    /* the largest exponent field seen (unsigned): all ones at the end means an inf or a nan */
+    __m512i top0 = _mm512_setzero_si512(), top1 = top0;
     ptrdiff_t i = 0;
-#define AMPSCALE_FLAG(v) \
-    flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent)
+#define AMPSCALE_TOP(v, top) top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_castps_si512(v), exponent))
     if (multiply) {
         for (; i + 64 <= n; i += 64) {
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), b = _mm512_mul_ps(_mm512_loadu_ps(x + i + 16), vinv);
             __m512 c = _mm512_mul_ps(_mm512_loadu_ps(x + i + 32), vinv);
             __m512 d = _mm512_mul_ps(_mm512_loadu_ps(x + i + 48), vinv);
-            AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
+            AMPSCALE_TOP(a, top0); AMPSCALE_TOP(b, top1); AMPSCALE_TOP(c, top0); AMPSCALE_TOP(d, top1);
             _mm512_storeu_ps(x + i, a);
             _mm512_storeu_ps(x + i + 16, b);
             _mm512_storeu_ps(x + i + 32, c);
@@ -524,11 +542,11 @@ AVX512_TARGET static int kernel_f32_avx512_body(void *data, ptrdiff_t n, float i
         for (; i + 64 <= n; i += 64) {
             __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
             __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
-            AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
+            AMPSCALE_TOP(a, top0); AMPSCALE_TOP(b, top1); AMPSCALE_TOP(c, top0); AMPSCALE_TOP(d, top1);
         }
     }
-#undef AMPSCALE_FLAG
-    int bad = flags != 0;
+#undef AMPSCALE_TOP
+    int bad = _mm512_cmpeq_epi32_mask(_mm512_max_epu32(top0, top1), exponent) != 0;
     if (i < n) bad |= kernel_f32_avx2(x + i, n - i, inv, multiply);
     return bad;
 }
@@ -631,14 +649,15 @@ AVX512_TARGET static long long count_f32_avx512_body(void *data, ptrdiff_t n, fl
     /* per-lane tiny counts (n / 64 per lane fits), four independent accumulators so the
      * counting adds no dependency chain across the loop's four vectors */
     __m512i counts0 = _mm512_setzero_si512(), counts1 = counts0, counts2 = counts0, counts3 = counts0;
-    __mmask16 flags = 0;
+    /* the largest exponent field seen (unsigned): all ones at the end means an inf or a nan */
+    __m512i top0 = _mm512_setzero_si512(), top1 = top0;
     ptrdiff_t i = 0;
-    /* the count is of the inputs; the flag of the values stored (the inputs when not multiplying) */
-#define AMPSCALE_COUNT(v, counts)                                                                          \
-    counts = _mm512_mask_add_epi32(                                                                        \
-        counts, _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), zero), counts, one)
-#define AMPSCALE_FLAG(v) \
-    flags |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent)
+    (void)zero;
+    /* the count is of the inputs (one test: exponent bits all zero); the flag of the values
+     * stored (the inputs when not multiplying) */
+#define AMPSCALE_COUNT(v, counts) \
+    counts = _mm512_mask_add_epi32(counts, _mm512_testn_epi32_mask(_mm512_castps_si512(v), exponent), counts, one)
+#define AMPSCALE_TOP(v, top) top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_castps_si512(v), exponent))
     for (; i + 64 <= n; i += 64) {
         __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
         __m512 c = _mm512_loadu_ps(x + i + 32), d = _mm512_loadu_ps(x + i + 48);
@@ -653,10 +672,11 @@ AVX512_TARGET static long long count_f32_avx512_body(void *data, ptrdiff_t n, fl
             _mm512_storeu_ps(x + i + 32, c);
             _mm512_storeu_ps(x + i + 48, d);
         }
-        AMPSCALE_FLAG(a); AMPSCALE_FLAG(b); AMPSCALE_FLAG(c); AMPSCALE_FLAG(d);
+        AMPSCALE_TOP(a, top0); AMPSCALE_TOP(b, top1); AMPSCALE_TOP(c, top0); AMPSCALE_TOP(d, top1);
     }
 #undef AMPSCALE_COUNT
-#undef AMPSCALE_FLAG
+#undef AMPSCALE_TOP
+    __mmask16 flags = _mm512_cmpeq_epi32_mask(_mm512_max_epu32(top0, top1), exponent);
     long long tiny = (long long)_mm512_reduce_add_epi32(counts0) + _mm512_reduce_add_epi32(counts1) +
                      _mm512_reduce_add_epi32(counts2) + _mm512_reduce_add_epi32(counts3);
     int tail_bad = 0;
@@ -674,32 +694,43 @@ AVX512_TARGET static inline long long u16_lanes_sum(__m512i counts) {
 AVX512_TARGET static long long count_f16_avx512_body(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
     uint16_t *x = (uint16_t *)data;
     const __m512i exponent = _mm512_set1_epi16(0x7c00);
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i one = _mm512_set1_epi16(1);
-    __mmask32 flags = 0;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    /* the largest exponent field seen (unsigned): all ones at the end means an inf or a nan */
+    __m512i top0 = _mm512_setzero_si512(), top1 = top0;
     long long tiny = 0;
     ptrdiff_t i = 0;
-    /* 16-bit lanes, flushed to `tiny` every 2^15 iterations: a lane then holds up to 32768, which
-     * only an unsigned read gets right (a signed 16-bit read, as _mm512_madd_epi16 does, makes it
-     * -32768), so the flush adds the two unsigned halves of each 32-bit lane. */
-    __m512i counts = _mm512_setzero_si512();
+    /* 16-bit lanes, two accumulators each gaining at most 1 an iteration, flushed to `tiny`
+     * every 2^15 iterations: a lane then holds up to 32768, which only an unsigned read gets
+     * right (a signed 16-bit read, as _mm512_madd_epi16 does, makes it -32768), so the flush
+     * adds the two unsigned halves of each 32-bit lane. */
+    __m512i counts0 = _mm512_setzero_si512(), counts1 = counts0;
     ptrdiff_t since_flush = 0;
-    for (; i + 32 <= n; i += 32) {
+#define AMPSCALE_COUNT(v, counts) counts = _mm512_mask_add_epi16(counts, _mm512_testn_epi16_mask(v, exponent), counts, one)
+#define AMPSCALE_TOP(v, top) top = _mm512_max_epu16(top, _mm512_and_si512(v, exponent))
+    for (; i + 64 <= n; i += 64) {
         __m512i a = _mm512_loadu_si512((const void *)(x + i));
-        counts = _mm512_mask_add_epi16(counts, _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), zero), counts, one);
+        __m512i b = _mm512_loadu_si512((const void *)(x + i + 32));
+        AMPSCALE_COUNT(a, counts0);
+        AMPSCALE_COUNT(b, counts1);
         if (++since_flush == 32768) {
-            tiny += u16_lanes_sum(counts);
-            counts = _mm512_setzero_si512();
+            tiny += u16_lanes_sum(counts0) + u16_lanes_sum(counts1);
+            counts0 = counts1 = _mm512_setzero_si512();
             since_flush = 0;
         }
         if (multiply) {
             a = f16x32_unscale(a, vinv);
+            b = f16x32_unscale(b, vinv);
             _mm512_storeu_si512((void *)(x + i), a);
+            _mm512_storeu_si512((void *)(x + i + 32), b);
         }
-        flags |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exponent), exponent);
+        AMPSCALE_TOP(a, top0);
+        AMPSCALE_TOP(b, top1);
     }
-    tiny += u16_lanes_sum(counts);
+#undef AMPSCALE_COUNT
+#undef AMPSCALE_TOP
+    tiny += u16_lanes_sum(counts0) + u16_lanes_sum(counts1);
+    __mmask32 flags = _mm512_cmpeq_epi16_mask(_mm512_max_epu16(top0, top1), exponent);
     int tail_bad = 0;
     if (i < n) tiny += count_f16_avx2(x + i, n - i, inv, multiply, &tail_bad);
     *bad = (flags != 0) | tail_bad;
