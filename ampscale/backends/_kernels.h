@@ -740,42 +740,29 @@ AVX512_TARGET static long long count_f16_avx512_body(void *data, ptrdiff_t n, fl
 
 #if AMPSCALE_X86_DISPATCH
 /* The AVX-512 kernels: the head up to a cache line by the AVX2 kernel, the rest by the loop. */
-AVX512_TARGET static int kernel_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
-    ptrdiff_t head = head_to_line(data, 4, n);
-    int bad = head ? kernel_f32_avx2(data, head, inv, multiply) : 0;
-    return bad | kernel_f32_avx512_body((char *)data + head * 4, n - head, inv, multiply);
-}
-AVX512_TARGET static int kernel_f64_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
-    ptrdiff_t head = head_to_line(data, 8, n);
-    int bad = head ? kernel_f64_avx2(data, head, inv, multiply) : 0;
-    return bad | kernel_f64_avx512_body((char *)data + head * 8, n - head, inv, multiply);
-}
-AVX512_TARGET static int kernel_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
-    ptrdiff_t head = head_to_line(data, 2, n);
-    int bad = head ? kernel_f16_f16c(data, head, inv, multiply) : 0;
-    return bad | kernel_f16_avx512_body((char *)data + head * 2, n - head, inv, multiply);
-}
-AVX512_TARGET static int kernel_bf16_avx512(void *data, ptrdiff_t n, float inv, int multiply) {
-    ptrdiff_t head = head_to_line(data, 2, n);
-    int bad = head ? kernel_bf16_avx2(data, head, inv, multiply) : 0;
-    return bad | kernel_bf16_avx512_body((char *)data + head * 2, n - head, inv, multiply);
-}
-AVX512_TARGET static long long count_f32_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
-    ptrdiff_t head = head_to_line(data, 4, n);
-    int head_bad = 0;
-    long long tiny = head ? count_f32_avx2(data, head, inv, multiply, &head_bad) : 0;
-    tiny += count_f32_avx512_body((char *)data + head * 4, n - head, inv, multiply, bad);
-    *bad |= head_bad;
-    return tiny;
-}
-AVX512_TARGET static long long count_f16_avx512(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
-    ptrdiff_t head = head_to_line(data, 2, n);
-    int head_bad = 0;
-    long long tiny = head ? count_f16_avx2(data, head, inv, multiply, &head_bad) : 0;
-    tiny += count_f16_avx512_body((char *)data + head * 2, n - head, inv, multiply, bad);
-    *bad |= head_bad;
-    return tiny;
-}
+#define AMPSCALE_LINE_ALIGNED(name, head_kernel, size)                                       \
+    AVX512_TARGET static int name(void *data, ptrdiff_t n, float inv, int multiply) {        \
+        ptrdiff_t head = head_to_line(data, size, n);                                        \
+        int bad = head ? head_kernel(data, head, inv, multiply) : 0;                         \
+        return bad | name##_body((char *)data + head * size, n - head, inv, multiply);       \
+    }
+#define AMPSCALE_LINE_ALIGNED_COUNT(name, head_kernel, size)                                          \
+    AVX512_TARGET static long long name(void *data, ptrdiff_t n, float inv, int multiply, int *bad) { \
+        ptrdiff_t head = head_to_line(data, size, n);                                                 \
+        int head_bad = 0;                                                                             \
+        long long tiny = head ? head_kernel(data, head, inv, multiply, &head_bad) : 0;                \
+        tiny += name##_body((char *)data + head * size, n - head, inv, multiply, bad);                \
+        *bad |= head_bad;                                                                             \
+        return tiny;                                                                                  \
+    }
+AMPSCALE_LINE_ALIGNED(kernel_f32_avx512, kernel_f32_avx2, 4)
+AMPSCALE_LINE_ALIGNED(kernel_f64_avx512, kernel_f64_avx2, 8)
+AMPSCALE_LINE_ALIGNED(kernel_f16_avx512, kernel_f16_f16c, 2)
+AMPSCALE_LINE_ALIGNED(kernel_bf16_avx512, kernel_bf16_avx2, 2)
+AMPSCALE_LINE_ALIGNED_COUNT(count_f32_avx512, count_f32_avx2, 4)
+AMPSCALE_LINE_ALIGNED_COUNT(count_f16_avx512, count_f16_avx2, 2)
+#undef AMPSCALE_LINE_ALIGNED
+#undef AMPSCALE_LINE_ALIGNED_COUNT
 #endif
 
 /* A kernel family: the plain and the counting kernel of each kind, in KIND_* order. */
