@@ -281,12 +281,24 @@ def python_transition(
 
     bound, returned = _emit(outputs, render)
     fields = ScalerState._fields
+    body = [f"    {name} = {code}" for name, _kind, code in bound]
     source = "\n".join(
         [
             "def _transition(_values, finite, loss_finite):",
             f"    {', '.join(fields)}, = _values",
-            *(f"    {name} = {code}" for name, _kind, code in bound),
+            *body,
             f"    return _new(_State, ({', '.join(returned[:-1])},)), {returned[-1]}",
+            "",
+        ]
+    )
+    # the same, with the scale and the tracker apart from the other fields (a caller that
+    # keeps those two in tensors builds and slices no 12-tuple)
+    split_source = "\n".join(
+        [
+            f"def _split({fields[0]}, {fields[1]}, _rest, finite, loss_finite):",
+            f"    {', '.join(fields[2:])}, = _rest",
+            *body,
+            f"    return {returned[0]}, {returned[1]}, ({', '.join(returned[2:-1])},), {returned[-1]}",
             "",
         ]
     )
@@ -298,8 +310,13 @@ def python_transition(
         **{name: value for value, name in floats.items()},
     }
     exec(compile(source, f"<ampscale transition, preset {config.preset}>", "exec"), namespace)
+    exec(compile(split_source, f"<ampscale transition, preset {config.preset}, split>", "exec"), namespace)
     function = namespace["_transition"]
     function.source = source
+    namespace["_split"].source = split_source
+    #: ``split(scale, growth_tracker, rest, finite, loss_finite) -> (scale, growth_tracker,
+    #: rest, floor_event)``: the same transition, ``rest`` the other fields as a tuple
+    function.split = namespace["_split"]
     return function  # type: ignore[no-any-return]
 
 

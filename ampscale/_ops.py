@@ -68,6 +68,10 @@ class HostOps:
         #: ``run(values, finite, loss_finite) -> (next_values, floor_event)``: the transition
         #: with these operations, compiled into one function (same results, several times faster)
         self.run = python_transition(config, self.grow, self.shrink)
+        #: ``run_split(scale, growth_tracker, rest, finite, loss_finite) -> (scale,
+        #: growth_tracker, rest, floor_event)``: :attr:`run` with the scale and the tracker apart
+        #: (``rest``: the other fields, a tuple), for callers that keep those two elsewhere
+        self.run_split: Any = self.run.split  # type: ignore[attr-defined]
 
     @staticmethod
     def as_bool(value: Any) -> bool:

@@ -782,18 +782,19 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_array is None else scale_array.item()
             old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
-            # a plain tuple: the compiled transition unpacks any sequence of the fields
-            new, floor_event = ops.run((old_scale, old_tracker, *self._rest), not total, loss_ok)  # type: ignore[arg-type, misc]
-            if new.scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
-                self._scale_view.write(scale, new.scale)
-            if new.growth_tracker != old_tracker:
+            new_scale, new_tracker, rest, floor_event = ops.run_split(
+                old_scale, old_tracker, self._rest, not total, loss_ok
+            )
+            if new_scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
+                self._scale_view.write(scale, new_scale)
+            if new_tracker != old_tracker:
                 if tracker_array is None:
-                    tracker.fill_(new.growth_tracker)
+                    tracker.fill_(new_tracker)
                 else:
-                    tracker_array[...] = new.growth_tracker
-            self._rest = new[2:]
+                    tracker_array[...] = new_tracker
+            self._rest = rest
             if floor_event and config.on_floor != "ignore":
-                floor_values = new
+                floor_values = ScalerState(new_scale, new_tracker, *rest)
         else:
             floor_values = self._update_on_device(scale, tracker)
         # a new dict, as torch: references to the old one (and its flags) stay intact

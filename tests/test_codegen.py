@@ -344,3 +344,30 @@ def test_tracing_emits_no_branch_and_calls_grow_once() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_the_split_python_transition_equals_the_whole_one(data: st.DataObject, seed: int) -> None:
+    """``HostOps.run_split`` (the scale and the tracker apart, as the torch drop-in calls it)
+    gives what ``HostOps.run`` gives, field by field and bit for bit, floor events included."""
+    rng = np.random.default_rng(seed)
+    for config in draw_configs(data, per_case=1):
+        ops = HostOps(config)
+        names = state_dtype(config.scale_dtype).names
+        for row in edge_states(config, rng, 200).tolist():
+            values = ScalerState(*(dict(zip(names, row, strict=True))[f] for f in ScalerState._fields))
+            for finite in (True, False):
+                for loss_ok in (True, False):
+                    want, want_event = ops.run(values, finite and loss_ok, loss_ok)
+                    scale, tracker, rest, event = ops.run_split(
+                        values[0], values[1], values[2:], finite and loss_ok, loss_ok
+                    )
+                    got = ScalerState(scale, tracker, *rest)
+                    case = (config.preset, values, finite, loss_ok)
+                    assert bits(got.scale, config.scale_dtype) == bits(want.scale, config.scale_dtype), case
+                    assert bits(got.last_scale, config.scale_dtype) == bits(want.last_scale, config.scale_dtype), case
+                    assert got[1:-2] == want[1:-2], case  # the counters
+                    assert got.last_reason == want.last_reason, case
+                    assert type(rest) is tuple
+                    assert bool(event) == bool(want_event), case

@@ -460,14 +460,14 @@ def test_compiled_transition_source_is_straight_line_code() -> None:
     from ampscale._ops import HostOps
 
     ops = HostOps(ampscale.create_scaler(preset="megatron").config)
-    source = ops.run.source
-    assert "for " not in source
-    assert "while " not in source
-    assert source.count("_grow(") == 1
-    assert source.count("_shrink(") == 1
-    # conditional operands, not statements evaluated every step
-    assert "(_grow(scale) if " in source
-    assert "(_shrink(scale) if " in source
+    for source in (ops.run.source, ops.run_split.source):  # the whole state, and the split one
+        assert "for " not in source
+        assert "while " not in source
+        assert source.count("_grow(") == 1
+        assert source.count("_shrink(") == 1
+        # conditional operands, not statements evaluated every step
+        assert "(_grow(scale) if " in source
+        assert "(_shrink(scale) if " in source
 
 
 def test_tracing_rejects_a_branch_on_a_value() -> None:
