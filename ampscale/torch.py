@@ -693,6 +693,15 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         found = optimizer_state["found_inf_per_device"]
         if len(found) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        applied: bool | torch.Tensor | None
+        if len(found) == 1 and scale.is_cpu and type(self)._maybe_opt_step is _OWN_MAYBE_OPT_STEP:
+            # the common case, _maybe_opt_step inline: one CPU flag, read (no device involved)
+            (found_inf,) = found.values()
+            if found_inf.is_cpu:
+                applied = self._step_applied = not found_inf.item()
+                retval = optimizer.step(*args, **kwargs) if applied else None
+                optimizer_state["stage"] = OptState.STEPPED
+                return _step_result(applied, retval, found_inf)
         self._step_applied = None
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         if len(found) == 1 and scale.is_cpu:
@@ -701,7 +710,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 found_inf = self._sum_found(found, scale.device)
         else:
             found_inf = self._sum_found(found, scale.device)
-        applied: bool | torch.Tensor | None = self._step_applied
+        applied = self._step_applied
         if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
             applied = found_inf == 0
         optimizer_state["stage"] = OptState.STEPPED
@@ -973,6 +982,10 @@ def _torch_compatible(config: ScalerConfig) -> bool:
     ignore = {"init_scale", "on_floor", "floor_patience"}
     ours, theirs = config.settings(), reference.settings()
     return config.preset == "torch" and all(ours[k] == theirs[k] for k in ours if k not in ignore)
+
+
+#: the drop-in's own _maybe_opt_step (step() inlines it unless a subclass overrides it)
+_OWN_MAYBE_OPT_STEP = GradScaler._maybe_opt_step
 
 
 def __getattr__(name: str) -> Any:
