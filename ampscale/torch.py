@@ -33,6 +33,7 @@ steps, ...) live beside them, as Python numbers on the CPU and 0-d tensors elsew
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
 import math
@@ -132,51 +133,57 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return bool(tensor.is_cpu) and not _DEVICE_PATH_EVERYWHERE
 
 
-_HOST_VIEW_DTYPES = frozenset({torch.float32, torch.float64, torch.int32})
+#: the C type of each dtype a host view reads and writes
+_HOST_VIEW_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double, torch.int32: ctypes.c_int32}
 
 
 class _HostView:
-    """A NumPy view of a one-element CPU tensor, kept while the tensor stays the same object.
+    """A C view (``ctypes``) of a one-element CPU tensor's memory, kept while the tensor is the
+    same object at the same address.
 
-    Reading or writing ``_scale`` and ``_growth_tracker`` through it costs a tenth of a
-    microsecond, against one to two for ``item()`` and ``fill_()``: the drop-in reads both and
-    writes the tracker on every ``update()``. The tensor itself stays what torch has (the same
-    object, updated in place); only its version counter does not move.
+    Reading or writing ``_scale`` and ``_growth_tracker`` through its ``value`` costs a few tens
+    of nanoseconds, against one to two microseconds for ``item()`` and ``fill_()``: the drop-in
+    reads both and writes the tracker on every ``update()``. The tensor itself stays what torch
+    has (the same object, updated in place); only its version counter does not move. The view
+    holds the tensor, and :meth:`of` checks the tensor's address on every use, so a tensor given
+    new memory (``set_()``, ``resize_()``) gets a new view before anything is read or written.
     """
 
-    __slots__ = ("address", "array", "tensor")
+    __slots__ = ("address", "tensor", "view")
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
         self.address = 0
-        self.array: Any = None
+        self.view: Any = None
 
     def of(self, tensor: torch.Tensor) -> Any:
         """The view of ``tensor`` (``None`` if it has none: not a plain one-element CPU tensor)."""
-        address = tensor.data_ptr()  # a tensor given new memory (set_, resize_) gets a new view
+        address = tensor.data_ptr()
         if tensor is not self.tensor or address != self.address:
             self.tensor, self.address = tensor, address
+            kind = _HOST_VIEW_TYPES.get(tensor.dtype)
             plain = (
-                type(tensor) is torch.Tensor
+                kind is not None
+                and type(tensor) is torch.Tensor
                 and tensor.is_cpu
-                and tensor.dtype in _HOST_VIEW_DTYPES
                 and tensor.numel() == 1
                 and not tensor.requires_grad
                 and not tensor.is_neg()
+                and address != 0
             )
-            self.array = tensor.numpy() if plain else None
-        return self.array
+            self.view = kind.from_address(address) if plain and kind is not None else None
+        return self.view
 
     def read(self, tensor: torch.Tensor) -> Any:
-        array = self.of(tensor)
-        return tensor.item() if array is None else array.item()
+        view = self.of(tensor)
+        return tensor.item() if view is None else view.value
 
     def write(self, tensor: torch.Tensor, value: Any) -> None:
-        array = self.of(tensor)
-        if array is None:
+        view = self.of(tensor)
+        if view is None:
             tensor.fill_(value)
         else:
-            array[...] = value
+            view.value = value
 
 
 def _torch_setting(name: str) -> Any:
@@ -788,19 +795,19 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             ops = self._host_ops
             if ops is None or ops.config is not config:
                 ops = self._host_transition()
-            scale_array, tracker_array = self._scale_view.of(scale), self._tracker_view.of(tracker)
-            old_scale = scale.item() if scale_array is None else scale_array.item()
-            old_tracker = tracker.item() if tracker_array is None else tracker_array.item()
+            scale_view, tracker_view = self._scale_view.of(scale), self._tracker_view.of(tracker)
+            old_scale = scale.item() if scale_view is None else scale_view.value
+            old_tracker = tracker.item() if tracker_view is None else tracker_view.value
             new_scale, new_tracker, rest, floor_event = ops.run_split(
                 old_scale, old_tracker, self._rest, not total, loss_ok
             )
             if new_scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
                 self._scale_view.write(scale, new_scale)
             if new_tracker != old_tracker:
-                if tracker_array is None:
+                if tracker_view is None:
                     tracker.fill_(new_tracker)
                 else:
-                    tracker_array[...] = new_tracker
+                    tracker_view.value = new_tracker
             self._rest = rest
             if floor_event and config.on_floor != "ignore":
                 floor_values = ScalerState(new_scale, new_tracker, *rest)
