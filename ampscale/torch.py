@@ -711,12 +711,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 return _step_result(applied, retval, found_inf)
         self._step_applied = None
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        if len(found) == 1 and scale.is_cpu:
-            (found_inf,) = found.values()
-            if not found_inf.is_cpu:
-                found_inf = self._sum_found(found, scale.device)
-        else:
-            found_inf = self._sum_found(found, scale.device)
+        found_inf = self._sum_found(found, scale.device)
         applied = self._step_applied
         if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
             applied = found_inf == 0
@@ -792,9 +787,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 raise AssertionError("No inf checks were recorded prior to update.")
             loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
             config = self._config
-            ops = self._host_ops
-            if ops is None or ops.config is not config:
-                ops = self._host_transition()
+            ops = self._host_transition()
             scale_view, tracker_view = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_view is None else scale_view.value
             old_tracker = tracker.item() if tracker_view is None else tracker_view.value

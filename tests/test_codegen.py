@@ -342,10 +342,6 @@ def test_tracing_emits_no_branch_and_calls_grow_once() -> None:
     assert "for (" not in body
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_the_split_python_transition_equals_the_whole_one(data: st.DataObject, seed: int) -> None:
@@ -371,3 +367,7 @@ def test_the_split_python_transition_equals_the_whole_one(data: st.DataObject, s
                     assert got.last_reason == want.last_reason, case
                     assert type(rest) is tuple
                     assert bool(event) == bool(want_event), case
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -518,7 +518,6 @@ static inline ptrdiff_t head_to_line(const void *data, size_t size, ptrdiff_t n)
     return head < n ? head : n;
 }
 
-
 AVX512_TARGET static int kernel_f32_avx512_body(void *data, ptrdiff_t n, float inv, int multiply) {
     float *x = (float *)data;
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
@@ -643,7 +642,6 @@ AVX512_TARGET static int kernel_bf16_avx512_body(void *data, ptrdiff_t n, float 
 AVX512_TARGET static long long count_f32_avx512_body(void *data, ptrdiff_t n, float inv, int multiply, int *bad) {
     float *x = (float *)data;
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
-    const __m512i zero = _mm512_setzero_si512();
     const __m512i one = _mm512_set1_epi32(1);
     const __m512 vinv = _mm512_set1_ps(inv);
     /* per-lane tiny counts (n / 64 per lane fits), four independent accumulators so the
@@ -652,7 +650,6 @@ AVX512_TARGET static long long count_f32_avx512_body(void *data, ptrdiff_t n, fl
     /* the largest exponent field seen (unsigned): all ones at the end means an inf or a nan */
     __m512i top0 = _mm512_setzero_si512(), top1 = top0;
     ptrdiff_t i = 0;
-    (void)zero;
     /* the count is of the inputs (one test: exponent bits all zero); the flag of the values
      * stored (the inputs when not multiplying) */
 #define AMPSCALE_COUNT(v, counts) \
