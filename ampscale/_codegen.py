@@ -137,23 +137,55 @@ def _lift(value: Any) -> _Node:
 
 
 class _TraceOps:
-    """The operations of :class:`~ampscale._ops.HostOps`, recorded instead of computed."""
+    """The operations of :class:`~ampscale._ops.HostOps`, recorded instead of computed.
+
+    With ``fold``, a boolean operation on a literal operand is computed on the spot (``True
+    and x`` is ``x``, ``where(False, a, b)`` is ``b``, ...): a trace whose flags are literals
+    (:func:`python_transition`'s ``split_ok``) keeps only what those flags leave to compute.
+    Without it every operation is recorded as written (the emitted code of the general
+    transition does not depend on this pass).
+    """
+
+    def __init__(self, fold: bool = False) -> None:
+        self.fold = fold
+
+    def _known(self, node: _Node) -> bool | None:
+        """``node``'s value, if folding and it is a literal bool; else ``None``."""
+        if self.fold and node.op == "literal" and type(node.value) is bool:
+            return bool(node.value)
+        return None
 
     def as_bool(self, value: _Node) -> _Node:
+        if self._known(value) is not None:
+            return value
         return _Node("bool", "bool", value)
 
     def logical_not(self, a: _Node) -> _Node:
+        known = self._known(a)
+        if known is not None:
+            return _literal(not known)
         return _Node("not", "bool", a)
 
     def logical_and(self, a: _Node, b: _Node) -> _Node:
+        for this, other in ((a, b), (b, a)):
+            known = self._known(this)
+            if known is not None:
+                return other if known else this
         return _Node("and", "bool", a, b)
 
     def logical_or(self, a: _Node, b: _Node) -> _Node:
+        for this, other in ((a, b), (b, a)):
+            known = self._known(this)
+            if known is not None:
+                return this if known else other
         return _Node("or", "bool", a, b)
 
     def where(self, condition: _Node, a: Any, b: Any) -> _Node:
-        a, b = _lift(a), _lift(b)
-        return _Node("where", a.kind, condition, a, b)
+        first, second = _lift(a), _lift(b)
+        known = self._known(condition)
+        if known is not None:
+            return first if known else second
+        return _Node("where", first.kind, condition, first, second)
 
     def int32(self, value: int) -> _Node:
         return _literal(int(value))
@@ -168,6 +200,9 @@ class _TraceOps:
         return _Node("decrement", "int", value, repeats=True)
 
     def saturating_add(self, value: _Node, flag: _Node) -> _Node:
+        known = self._known(flag)
+        if known is not None:
+            return self.saturating_increment(value) if known else value
         return _Node("add_flag", "int", value, flag, repeats=True)
 
     def scale_constant(self, value: float) -> _Node:
@@ -183,16 +218,25 @@ class _TraceOps:
 _FLAG_INPUTS = ("finite", "loss_finite")
 
 
-def _trace(config: ScalerConfig) -> tuple[ScalerState, list[_Node]]:
+def _trace(config: ScalerConfig, flags: tuple[bool, bool] | None = None) -> tuple[ScalerState, list[_Node]]:
     """The transition for ``config`` as nodes: the input nodes and the outputs (next state's
-    fields, then the floor event)."""
+    fields, then the floor event).
+
+    ``flags``: ``(finite, loss_finite)`` as constants, folded into the trace; ``None``: both
+    are inputs.
+    """
     inputs = ScalerState(
         *(_Node("input", "scale" if f in ("scale", "last_scale") else "int") for f in ScalerState._fields)
     )
-    finite, loss_finite = _Node("input", "bool"), _Node("input", "bool")
-    for node, name in zip((*inputs, finite, loss_finite), (*ScalerState._fields, *_FLAG_INPUTS), strict=True):
+    for node, name in zip(inputs, ScalerState._fields, strict=True):
         node.name = name  # arguments: never rebound
-    state, floor_event = transition(config, inputs, finite, loss_finite, _TraceOps())  # type: ignore[arg-type]
+    if flags is None:
+        finite, loss_finite = _Node("input", "bool"), _Node("input", "bool")
+        finite.name, loss_finite.name = _FLAG_INPUTS
+    else:
+        finite, loss_finite = _literal(flags[0]), _literal(flags[1])
+    ops = _TraceOps(fold=flags is not None)
+    state, floor_event = transition(config, inputs, finite, loss_finite, ops)  # type: ignore[arg-type]
     return inputs, [_lift(value) for value in (*state, floor_event)]
 
 
@@ -250,7 +294,6 @@ def python_transition(
     :class:`~ampscale._ops.HostOps` ``ops`` whose ``grow`` and ``shrink`` are the ones given,
     for a state of Python scalars and Python-bool flags; its source is kept as ``f.source``.
     """
-    _inputs, outputs = _trace(config)
     floats: dict[float, str] = {}
 
     def render(node: _Node, args: list[str]) -> str:
@@ -279,8 +322,9 @@ def python_transition(
         }
         return templates[op].format(*args)
 
-    bound, returned = _emit(outputs, render)
     fields = ScalerState._fields
+    _inputs, outputs = _trace(config)
+    bound, returned = _emit(outputs, render)
     body = [f"    {name} = {code}" for name, _kind, code in bound]
     source = "\n".join(
         [
@@ -302,6 +346,19 @@ def python_transition(
             "",
         ]
     )
+    # and the split form of the step that training takes almost every time, gradients and
+    # loss finite: those two flags folded in, only what they leave to compute
+    _inputs, ok_outputs = _trace(config, flags=(True, True))
+    ok_bound, ok_returned = _emit(ok_outputs, render)
+    split_ok_source = "\n".join(
+        [
+            f"def _split_ok({fields[0]}, {fields[1]}, _rest):",
+            f"    {', '.join(fields[2:])}, = _rest",
+            *(f"    {name} = {code}" for name, _kind, code in ok_bound),
+            f"    return {ok_returned[0]}, {ok_returned[1]}, ({', '.join(ok_returned[2:-1])},), {ok_returned[-1]}",
+            "",
+        ]
+    )
     namespace: dict[str, Any] = {
         "_new": tuple.__new__,
         "_State": ScalerState,
@@ -309,14 +366,17 @@ def python_transition(
         "_shrink": shrink,
         **{name: value for value, name in floats.items()},
     }
-    exec(compile(source, f"<ampscale transition, preset {config.preset}>", "exec"), namespace)
-    exec(compile(split_source, f"<ampscale transition, preset {config.preset}, split>", "exec"), namespace)
+    for text, label in ((source, ""), (split_source, ", split"), (split_ok_source, ", split, finite step")):
+        exec(compile(text, f"<ampscale transition, preset {config.preset}{label}>", "exec"), namespace)
     function = namespace["_transition"]
     function.source = source
     namespace["_split"].source = split_source
+    namespace["_split_ok"].source = split_ok_source
     #: ``split(scale, growth_tracker, rest, finite, loss_finite) -> (scale, growth_tracker,
     #: rest, floor_event)``: the same transition, ``rest`` the other fields as a tuple
     function.split = namespace["_split"]
+    #: ``split_ok(scale, growth_tracker, rest)``: ``split(..., True, True)``, in fewer operations
+    function.split_ok = namespace["_split_ok"]
     return function  # type: ignore[no-any-return]
 
 

@@ -72,6 +72,9 @@ class HostOps:
         #: growth_tracker, rest, floor_event)``: :attr:`run` with the scale and the tracker apart
         #: (``rest``: the other fields, a tuple), for callers that keep those two elsewhere
         self.run_split: Any = self.run.split  # type: ignore[attr-defined]
+        #: ``run_split_ok(scale, growth_tracker, rest)``: ``run_split(scale, growth_tracker,
+        #: rest, True, True)`` (gradients and loss finite, the usual step) in fewer operations
+        self.run_split_ok: Any = self.run.split_ok  # type: ignore[attr-defined]
 
     @staticmethod
     def as_bool(value: Any) -> bool:

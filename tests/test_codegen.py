@@ -369,5 +369,34 @@ def test_the_split_python_transition_equals_the_whole_one(data: st.DataObject, s
                     assert bool(event) == bool(want_event), case
 
 
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_the_folded_finite_step_equals_the_general_one(data: st.DataObject, seed: int) -> None:
+    """``HostOps.run_split_ok`` (the transition traced with both flags true and folded, which
+    the torch drop-in runs on every finite step) gives what ``run_split(..., True, True)``
+    gives, bit for bit, on the edge states (trackers at the interval and at the int32 limits,
+    scales at the floor, the ceiling, inf and NaN); and its code holds no flag left to test."""
+    rng = np.random.default_rng(seed)
+    for config in draw_configs(data, per_case=1):
+        ops = HostOps(config)
+        assert "finite" not in ops.run.split_ok.source.split(":", 1)[1].replace("_rest", "")
+        names = state_dtype(config.scale_dtype).names
+        for row in edge_states(config, rng, 200).tolist():
+            values = ScalerState(*(dict(zip(names, row, strict=True))[f] for f in ScalerState._fields))
+            want_scale, want_tracker, want_rest, want_event = ops.run_split(
+                values[0], values[1], values[2:], True, True
+            )
+            scale, tracker, rest, event = ops.run_split_ok(values[0], values[1], values[2:])
+            case = (config.preset, values)
+            assert bits(scale, config.scale_dtype) == bits(want_scale, config.scale_dtype), case
+            assert tracker == want_tracker, case
+            assert type(rest) is tuple, case
+            assert len(rest) == len(want_rest), case
+            assert bits(rest[-2], config.scale_dtype) == bits(want_rest[-2], config.scale_dtype), case
+            assert rest[:-2] == want_rest[:-2], case  # the counters
+            assert rest[-1] == want_rest[-1], case  # the reason
+            assert bool(event) == bool(want_event), case
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
