@@ -34,13 +34,12 @@ steps, ...) live beside them, as Python numbers on the CPU and 0-d tensors elsew
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import inspect
 import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn, cast
 
 from ampscale._info import missing_framework
 
@@ -70,9 +69,8 @@ class SettingError(ValueError, AssertionError):
     """A bad setting: a ``ValueError`` naming it, and an ``AssertionError`` like torch's checks."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepResult:
-    """What :meth:`GradScaler.step` did.
+class StepResult(NamedTuple):
+    """What :meth:`GradScaler.step` did: an immutable named tuple, true when the step was applied.
 
     Attributes:
         applied: whether ``optimizer.step()`` took effect: a Python bool, or a 0-d bool tensor
@@ -90,29 +88,21 @@ class StepResult:
         return bool(self.applied)
 
 
-_new_object = object.__new__
-_set_applied: Any = vars(StepResult)["applied"].__set__  # the slots' own setters
-_set_retval: Any = vars(StepResult)["retval"].__set__
-_set_found_inf: Any = vars(StepResult)["found_inf"].__set__
-
-
-def _step_result(applied: bool | torch.Tensor, retval: Any, found_inf: torch.Tensor) -> StepResult:
-    """``StepResult(applied, retval, found_inf)`` at half the cost (the frozen ``__init__``
-    goes through ``object.__setattr__``; ``step()`` makes one per call)."""
-    result: StepResult = _new_object(StepResult)
-    _set_applied(result, applied)
-    _set_retval(result, retval)
-    _set_found_inf(result, found_inf)
-    return result
+#: ``_new_tuple(StepResult, (applied, retval, found_inf))``: a ``StepResult`` in one C call
+#: (``step()`` makes one per call; the class's ``__new__`` is a Python function)
+_new_tuple = tuple.__new__
 
 
 #: ``found_inf`` of a step that checked nothing (a disabled scaler): shared, never written
 _NO_OVERFLOW = torch.zeros(())
 
 
+_READY, _STEPPED = OptState.READY, OptState.STEPPED
+
+
 def _fresh_state() -> dict[str, Any]:
     """A new entry of ``_per_optimizer_states``: torch's, with torch's ``OptState``."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+    return {"stage": _READY, "found_inf_per_device": {}}
 
 
 def _grads_of(optimizer: Any) -> list[torch.Tensor]:
@@ -177,13 +167,6 @@ class _HostView:
     def read(self, tensor: torch.Tensor) -> Any:
         view = self.of(tensor)
         return tensor.item() if view is None else view.value
-
-    def write(self, tensor: torch.Tensor, value: Any) -> None:
-        view = self.of(tensor)
-        if view is None:
-            tensor.fill_(value)
-        else:
-            view.value = value
 
 
 def _torch_setting(name: str) -> Any:
@@ -691,32 +674,33 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if scale is None or self._growth_tracker is None:
             self._missing_state("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.STEPPED:
+        stage = optimizer_state["stage"]
+        if stage is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._step_amp_aware(optimizer, optimizer_state, scale, args, kwargs)
-        if optimizer_state["stage"] is OptState.READY:
+        if stage is _READY:
             self.unscale_(optimizer)
         found = optimizer_state["found_inf_per_device"]
-        if len(found) == 0:
+        if len(found) == 1:
+            if (scale is self._plain_scale or scale.is_cpu) and type(self)._maybe_opt_step is _OWN_MAYBE_OPT_STEP:
+                # the common case, _maybe_opt_step inline: one CPU flag, read (no device involved)
+                for found_inf in found.values():
+                    if found_inf.is_cpu:
+                        ok = not found_inf.item()
+                        retval = optimizer.step(*args, **kwargs) if ok else None
+                        optimizer_state["stage"] = _STEPPED
+                        return _new_tuple(StepResult, (ok, retval, found_inf))
+        elif not found:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        applied: bool | torch.Tensor | None
-        if len(found) == 1 and scale.is_cpu and type(self)._maybe_opt_step is _OWN_MAYBE_OPT_STEP:
-            # the common case, _maybe_opt_step inline: one CPU flag, read (no device involved)
-            (found_inf,) = found.values()
-            if found_inf.is_cpu:
-                applied = self._step_applied = not found_inf.item()
-                retval = optimizer.step(*args, **kwargs) if applied else None
-                optimizer_state["stage"] = OptState.STEPPED
-                return _step_result(applied, retval, found_inf)
         self._step_applied = None
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         found_inf = self._sum_found(found, scale.device)
-        applied = self._step_applied
+        applied: bool | torch.Tensor | None = self._step_applied
         if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
             applied = found_inf == 0
-        optimizer_state["stage"] = OptState.STEPPED
-        return _step_result(applied, retval, found_inf)
+        optimizer_state["stage"] = _STEPPED
+        return _new_tuple(StepResult, (applied, retval, found_inf))
 
     def _step_amp_aware(
         self, optimizer: Any, optimizer_state: dict[str, Any], scale: torch.Tensor, args: Any, kwargs: dict[str, Any]
@@ -785,17 +769,26 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                     flags += 1
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            loss_ok = not self._loss_bad_on_host and not (self._loss_bad and any(map(bool, self._loss_bad.values())))
             config = self._config
-            ops = self._host_transition()
+            ops = self._host_ops
+            if ops is None or ops.config is not config:
+                ops = self._host_transition()
             scale_view, tracker_view = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_view is None else scale_view.value
             old_tracker = tracker.item() if tracker_view is None else tracker_view.value
-            new_scale, new_tracker, rest, floor_event = ops.run_split(
-                old_scale, old_tracker, self._rest, not total, loss_ok
-            )
+            if not total and not self._loss_bad_on_host and not self._loss_bad:
+                # the usual step, gradients and losses finite: the transition with both flags folded in
+                new_scale, new_tracker, rest, floor_event = ops.run_split_ok(old_scale, old_tracker, self._rest)
+            else:
+                loss_ok = not self._loss_bad_on_host and not any(map(bool, self._loss_bad.values()))
+                new_scale, new_tracker, rest, floor_event = ops.run_split(
+                    old_scale, old_tracker, self._rest, not total, loss_ok
+                )
             if new_scale != old_scale or old_scale != old_scale:  # (NaN: write it anyway)
-                self._scale_view.write(scale, new_scale)
+                if scale_view is None:
+                    scale.fill_(new_scale)
+                else:
+                    scale_view.value = new_scale
             if new_tracker != old_tracker:
                 if tracker_view is None:
                     tracker.fill_(new_tracker)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import pickle
 
@@ -148,12 +147,17 @@ def test_step_returns_an_outcome() -> None:
     assert float(result.found_inf) == 1.0
     scaler.update()
     assert scaler.scaler.outcome.to_dict()["reason"] == "gradients"
-    # step() builds its result without __init__: it is the same frozen value
+    # step() builds its result without the class's __new__: it is the same immutable value
     same = amp_torch.StepResult(result.applied, result.retval, result.found_inf)
+    assert type(result) is amp_torch.StepResult
     assert result == same
     assert repr(result) == repr(same)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert repr(result).startswith("StepResult(applied=False, retval=None, found_inf=tensor(1.")
+    with pytest.raises(AttributeError):
         result.applied = True  # type: ignore[misc]
+    applied, retval, found_inf = result  # a named tuple: it unpacks
+    assert (applied, retval, found_inf) == (False, None, result.found_inf)
+    assert result._asdict() == {"applied": False, "retval": None, "found_inf": result.found_inf}
     copied = pickle.loads(pickle.dumps(result))
     assert (copied.applied, copied.retval, float(copied.found_inf)) == (False, None, 1.0)
 
