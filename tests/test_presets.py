@@ -468,6 +468,14 @@ def test_compiled_transition_source_is_straight_line_code() -> None:
         # conditional operands, not statements evaluated every step
         assert "(_grow(scale) if " in source
         assert "(_shrink(scale) if " in source
+    # the finite step, both flags folded in: it may grow, it never backs off
+    finite_step = ops.run_split_ok.source
+    assert "for " not in finite_step
+    assert "while " not in finite_step
+    assert finite_step.count("_grow(") == 1
+    assert "(_grow(scale) if " in finite_step
+    assert "_shrink(" not in finite_step
+    assert "bool(" not in finite_step
 
 
 def test_tracing_rejects_a_branch_on_a_value() -> None:
