@@ -335,30 +335,27 @@ def python_transition(
             "",
         ]
     )
-    # the same, with the scale and the tracker apart from the other fields (a caller that
-    # keeps those two in tensors builds and slices no 12-tuple)
-    split_source = "\n".join(
-        [
-            f"def _split({fields[0]}, {fields[1]}, _rest, finite, loss_finite):",
-            f"    {', '.join(fields[2:])}, = _rest",
-            *body,
-            f"    return {returned[0]}, {returned[1]}, ({', '.join(returned[2:-1])},), {returned[-1]}",
-            "",
-        ]
-    )
-    # and the split form of the step that training takes almost every time, gradients and
-    # loss finite: those two flags folded in, only what they leave to compute
+
+    def split_function(name: str, flags: str, lines: list[str], results: list[str]) -> str:
+        """A function of the scale, the tracker and the other fields as a tuple (a caller that
+        keeps those two in tensors builds and slices no 12-tuple)."""
+        return "\n".join(
+            [
+                f"def {name}({fields[0]}, {fields[1]}, _rest{flags}):",
+                f"    {', '.join(fields[2:])}, = _rest",
+                *lines,
+                f"    return {results[0]}, {results[1]}, ({', '.join(results[2:-1])},), {results[-1]}",
+                "",
+            ]
+        )
+
+    split_source = split_function("_split", ", finite, loss_finite", body, returned)
+    # and the step that training takes almost every time, gradients and loss finite: the
+    # transition traced with those two flags folded in, only what they leave to compute
     _inputs, ok_outputs = _trace(config, flags=(True, True))
     ok_bound, ok_returned = _emit(ok_outputs, render)
-    split_ok_source = "\n".join(
-        [
-            f"def _split_ok({fields[0]}, {fields[1]}, _rest):",
-            f"    {', '.join(fields[2:])}, = _rest",
-            *(f"    {name} = {code}" for name, _kind, code in ok_bound),
-            f"    return {ok_returned[0]}, {ok_returned[1]}, ({', '.join(ok_returned[2:-1])},), {ok_returned[-1]}",
-            "",
-        ]
-    )
+    ok_body = [f"    {name} = {code}" for name, _kind, code in ok_bound]
+    split_ok_source = split_function("_split_ok", "", ok_body, ok_returned)
     namespace: dict[str, Any] = {
         "_new": tuple.__new__,
         "_State": ScalerState,

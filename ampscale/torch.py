@@ -770,9 +770,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             config = self._config
-            ops = self._host_ops
-            if ops is None or ops.config is not config:
-                ops = self._host_transition()
+            ops = self._host_transition()
             scale_view, tracker_view = self._scale_view.of(scale), self._tracker_view.of(tracker)
             old_scale = scale.item() if scale_view is None else scale_view.value
             old_tracker = tracker.item() if tracker_view is None else tracker_view.value
