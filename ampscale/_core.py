@@ -36,13 +36,12 @@ steps and their reasons, and records the scale before the step for the step outc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from ampscale._config import ScalerConfig
-    from ampscale._ops import Ops
 
-__all__ = ["REASONS", "ScalerState", "initial_values", "transition"]
+__all__ = ["REASONS", "Ops", "ScalerState", "initial_values", "transition"]
 
 #: ``last_reason`` codes: why the last step was applied or skipped.
 NO_STEP, APPLIED, LOSS_OVERFLOW, GRADIENT_OVERFLOW = -1, 0, 1, 2
@@ -85,6 +84,61 @@ class ScalerState(NamedTuple):
 INT_FIELDS = frozenset(ScalerState._fields) - {"scale", "last_scale"}
 assert ScalerState._fields.index("scale") == 0
 assert ScalerState._fields.index("last_scale") == 10
+
+
+class Ops(Protocol):
+    """The operations :func:`transition` is written against, on 0-d values of one backend.
+
+    :class:`ampscale._ops.HostOps` implements them on Python scalars, :class:`ampscale._ops.ArrayOps`
+    on any array-API namespace, and :mod:`ampscale._codegen` on symbols it traces (to emit the
+    transition as straight-line Python and C). Comparisons and ``%`` are the values' own operators.
+    """
+
+    def as_bool(self, value: Any) -> Any:
+        """``value`` (a flag) as a 0-d bool."""
+        ...
+
+    def logical_and(self, a: Any, b: Any) -> Any: ...
+
+    def logical_or(self, a: Any, b: Any) -> Any: ...
+
+    def logical_not(self, a: Any) -> Any: ...
+
+    def where(self, condition: Any, a: Any, b: Any) -> Any:
+        """``a`` where ``condition`` is true, else ``b`` (both computed: no branch on a value)."""
+        ...
+
+    def false(self) -> Any:
+        """A 0-d false."""
+        ...
+
+    def int32(self, value: int) -> Any:
+        """A 0-d int32 constant."""
+        ...
+
+    def scale_constant(self, value: float) -> Any:
+        """A 0-d constant of the scale's dtype."""
+        ...
+
+    def saturating_increment(self, value: Any) -> Any:
+        """``value + 1`` for an int32, staying at the int32 maximum."""
+        ...
+
+    def saturating_decrement(self, value: Any) -> Any:
+        """``value - 1`` for an int32, staying at the int32 minimum."""
+        ...
+
+    def saturating_add(self, value: Any, flag: Any) -> Any:
+        """``value + flag`` (a bool counted as 0 or 1) for an int32, saturating."""
+        ...
+
+    def grow(self, scale: Any) -> Any:
+        """The grown scale (the growth factor and the ceiling rule of the config)."""
+        ...
+
+    def shrink(self, scale: Any) -> Any:
+        """The backed-off scale (the backoff factor, never below the floor)."""
+        ...
 
 
 def initial_values(config: ScalerConfig) -> ScalerState:

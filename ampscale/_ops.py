@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ampscale._config import ScalerConfig
 
-__all__ = ["ArrayOps", "HostOps", "Ops", "PlainNamespace"]
+__all__ = ["ArrayOps", "HostOps", "PlainNamespace"]
 
 
 class HostOps:
@@ -278,9 +278,6 @@ class ArrayOps:
         product = wide / self.backoff if c.backoff_rule == "divide" else wide * self.backoff
         candidate = xp.astype(product, self.storage)
         return xp.maximum(candidate, self.min_value)
-
-
-Ops = HostOps | ArrayOps
 
 
 def _is_power_of_two(value: float) -> bool:
