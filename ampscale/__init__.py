@@ -39,12 +39,12 @@ from ampscale._errors import (
 from ampscale._info import info
 from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler
 from ampscale._state_dict import FORMAT_VERSION
+from ampscale._version import __version__
 from ampscale.backends import available_backends, get_backend
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",

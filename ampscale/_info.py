@@ -17,6 +17,9 @@ import platform
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ampscale._config import PRESETS
+from ampscale._version import __version__
+
 __all__ = ["BACKENDS", "backend_info", "format_info", "info", "missing_framework"]
 
 #: backend name -> (the package it needs, what to call it in messages, the install command)
@@ -55,17 +58,15 @@ def info(backends: Iterable[str] | None = None) -> dict[str, Any]:
         >>> numpy_facts["usable"], numpy_facts["devices"]
         (True, ['cpu'])
     """
-    import ampscale
-
     names = list(BACKENDS) if backends is None else list(backends)
     for name in names:
         if name not in BACKENDS:
             raise ValueError(f"backends must name some of {list(BACKENDS)}; got {name!r}")
     return {
-        "ampscale": ampscale.__version__,
+        "ampscale": __version__,
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
-        "presets": list(ampscale.PRESETS),
+        "presets": list(PRESETS),
         "backends": {name: backend_info(name) for name in names},
     }
 
