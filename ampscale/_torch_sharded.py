@@ -2,7 +2,8 @@
 
 Kept apart from :mod:`ampscale.torch` because its base class lives in
 ``torch.distributed.fsdp``, which takes about two seconds to import; ``ampscale.torch``
-loads this module the first time ``ShardedGradScaler`` is asked for.
+loads this module the first time ``ShardedGradScaler`` is asked for. It builds on the drop-in
+``GradScaler`` of :mod:`ampscale._torch_scaler`, as the public module does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
 
 from ampscale._config import _UNSET
-from ampscale.torch import GradScaler
+from ampscale._torch_scaler import GradScaler
 
 __all__ = ["ShardedGradScaler"]
 

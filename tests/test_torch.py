@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import ampscale  # noqa: E402
 import ampscale.torch as amp_torch  # noqa: E402
+from ampscale import _torch_scaler  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def test_side_by_side_with_torch_grad_scaler(
 ) -> None:
     """``state="device"`` runs the accelerator path (0-d tensor state, tensor transition) on CPU tensors."""
     if state == "device":
-        monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
+        monkeypatch.setattr(_torch_scaler, "_DEVICE_PATH_EVERYWHERE", True)
     ours_model, torch_model = make_model(), make_model()
     ours_opt, torch_opt = (
         OPTIMIZERS[optimizer](ours_model.parameters()),
@@ -332,7 +333,7 @@ def test_what_torch_lacks_presets_floors_hysteresis() -> None:
 
 def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
     """With device-resident state (as on a GPU), a fused step and update never read a value."""
-    monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)  # the device path, on CPU tensors
+    monkeypatch.setattr(_torch_scaler, "_DEVICE_PATH_EVERYWHERE", True)  # the device path, on CPU tensors
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     scaler = amp_torch.GradScaler("cpu", growth_interval=2)
@@ -894,7 +895,7 @@ def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(monkeypatch, sta
     accelerator (``state="device"``, run on CPU tensors) the scale is not read each step: a
     host bound, lowered by one backoff per update, decides, and one read refreshes it."""
     if state == "device":
-        monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
+        monkeypatch.setattr(_torch_scaler, "_DEVICE_PATH_EVERYWHERE", True)
     passes = _count_passes(monkeypatch)
     reads: list[int] = []
     item = torch.Tensor.item
@@ -934,7 +935,7 @@ def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(monkeypatch, sta
 def test_drop_in_fused_optimizer_is_checked_once_without_a_read(monkeypatch) -> None:
     """A fused optimizer unscales the gradients itself (as with torch's scaler): the scaler only
     checks them, one pass, no second one and no host read, even below a scale of 1."""
-    monkeypatch.setattr(amp_torch, "_DEVICE_PATH_EVERYWHERE", True)
+    monkeypatch.setattr(_torch_scaler, "_DEVICE_PATH_EVERYWHERE", True)
     passes = _count_passes(monkeypatch)
     weight = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.Adam([weight], lr=1e-3, fused=True)
