@@ -1,11 +1,11 @@
 """Build the optional native kernels; the package installs without them if no compiler works.
 
-* ``ampscale.backends._native``: the NumPy backend's C extension.
-* ``ampscale._cuda._driver``: the CUDA driver launcher.
+* ``ampscale._native.cpu._numpy``: the NumPy backend's C extension.
+* ``ampscale._native.cuda._driver``: the CUDA driver launcher.
 * ``libampscale_jax_ffi.so``: the JAX backend's XLA FFI handler for the CPU, built against the
   FFI headers of the jaxlib installed in the build environment, if there is one (pip's isolated
   builds have none: the handler is then compiled on first use; see
-  ``ampscale/backends/_ffi_build.py``).
+  ``ampscale/_native/ffi_build.py``).
 """
 
 import importlib.util
@@ -28,10 +28,10 @@ class OptionalBuildExt(build_ext):
 
     def build_jax_handler(self) -> None:
         """The JAX CPU handler, when jaxlib is importable here; never fails the install."""
-        sources = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ampscale", "backends")
-        target = sources if self.inplace else os.path.join(self.build_lib, "ampscale", "backends")
+        sources = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ampscale", "_native")
+        target = sources if self.inplace else os.path.join(self.build_lib, "ampscale", "_native")
         try:
-            spec = importlib.util.spec_from_file_location("_ampscale_ffi_build", os.path.join(sources, "_ffi_build.py"))
+            spec = importlib.util.spec_from_file_location("_ampscale_ffi_build", os.path.join(sources, "ffi_build.py"))
             assert spec is not None
             assert spec.loader is not None
             builder = importlib.util.module_from_spec(spec)
@@ -57,17 +57,17 @@ else:
 setup(
     ext_modules=[
         Extension(
-            "ampscale.backends._native",
-            sources=["ampscale/backends/_native.c"],
-            depends=["ampscale/backends/_kernels.h"],
+            "ampscale._native.cpu._numpy",
+            sources=["ampscale/_native/cpu/_numpy.c"],
+            depends=["ampscale/_native/cpu/kernels.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,
         ),
         # the CUDA driver launcher: libcuda.so.1 is opened at run time, no toolkit needed here
         Extension(
-            "ampscale._cuda._driver",
-            sources=["ampscale/_cuda/_driver.c"],
+            "ampscale._native.cuda._driver",
+            sources=["ampscale/_native/cuda/_driver.c"],
             extra_compile_args=compile_args,
             extra_link_args=[*link_args, "-ldl"] if sys.platform == "linux" else link_args,
             optional=True,

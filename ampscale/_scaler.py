@@ -20,6 +20,7 @@ from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, 
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
+from ampscale.backends._base import when_adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -794,4 +795,5 @@ class _JaxImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
+when_adapter_ready(lambda backend: backend.adopt_scaler(Scaler, _PendingScaler))
 register_with_jax()

@@ -41,8 +41,8 @@ fi
     include=$("$py" -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
     suffix=$("$py" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
     gcc -O3 -std=c11 -fno-math-errno -fno-trapping-math -shared -fPIC -pthread $include \
-        ampscale/backends/_native.c -o "ampscale/backends/_native$suffix"
-    gcc -O2 -std=c11 -shared -fPIC $include ampscale/_cuda/_driver.c -ldl -o "ampscale/_cuda/_driver$suffix"
+        ampscale/_native/cpu/_numpy.c -o "ampscale/_native/cpu/_numpy$suffix"
+    gcc -O2 -std=c11 -shared -fPIC $include ampscale/_native/cuda/_driver.c -ldl -o "ampscale/_native/cuda/_driver$suffix"
 }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" - <<'PY'
@@ -51,13 +51,13 @@ import importlib
 import ampscale
 
 print("ampscale", ampscale.__version__, "from", ampscale.__file__)
-for name in ("cupy", "torch", "jax", "jmp", "ampscale.backends._native", "ampscale._cuda._driver"):
+for name in ("cupy", "torch", "jax", "jmp", "ampscale._native.cpu._numpy", "ampscale._native.cuda._driver"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "ok"))
     except Exception as exc:  # noqa: BLE001
         print(name, "unavailable:", exc)
-from ampscale._cuda import driver, nvrtc
+from ampscale._native.cuda import driver, nvrtc
 
 print("CUDA step:", driver.unavailable_reason() or "available", "| NVRTC", nvrtc.version(), nvrtc.library_path())
 try:

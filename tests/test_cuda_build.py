@@ -26,9 +26,9 @@ import pytest
 import ampscale
 from ampscale._codegen import state_dtype
 from ampscale._core import ScalerState, initial_values
-from ampscale._cuda import _plan, driver, nvrtc
+from ampscale._native.cuda import _plan, driver, nvrtc
+from ampscale._native.cuda._packed import decode, encode
 from ampscale._ops import HostOps
-from ampscale.backends._packed import decode, encode
 from tests.conftest import BF16
 
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")

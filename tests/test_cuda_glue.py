@@ -18,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ampscale  # noqa: E402
-from ampscale._cuda import _plan  # noqa: E402
+from ampscale._native.cuda import _plan  # noqa: E402
+from ampscale._native.cuda._packed import PackedState  # noqa: E402
 from ampscale._scaler import Scaler  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
-from ampscale.backends._packed import PackedState  # noqa: E402
 from tests.test_cuda_build import build_harness  # noqa: E402
 
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import ampscale
 from ampscale._codegen import state_dtype
 from ampscale._core import ScalerState
+from ampscale._native.cuda._packed import PackedState, decode
 from ampscale._ops import HostOps
-from ampscale.backends._packed import PackedState, decode
 from tests.test_codegen import draw_configs, edge_states
 
 pytestmark = pytest.mark.gpu

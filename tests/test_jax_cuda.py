@@ -33,8 +33,9 @@ jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import ampscale  # noqa: E402
-from ampscale._cuda import _jax, _plan, driver, nvrtc  # noqa: E402
-from ampscale.backends import _ffi_build, _jax_custom_call  # noqa: E402
+from ampscale._native import ffi_build as _ffi_build  # noqa: E402
+from ampscale._native.cuda import _jax, _plan, driver, nvrtc  # noqa: E402
+from ampscale.backends import _jax_custom_call  # noqa: E402
 from ampscale.backends import jax as jax_backend  # noqa: E402
 
 TARGET = _jax_custom_call.TARGET
@@ -75,8 +76,8 @@ def test_the_library_holds_the_cuda_handler() -> None:
     library = ctypes.CDLL(_library_path())
     for name in ("ampscale_check_and_unscale_v1_cuda", "ampscale_ffi_cuda_set_driver", "ampscale_ffi_cuda_bind"):
         assert getattr(library, name, None) is not None, name
-    assert "_jax_ffi_cuda.cc" in _ffi_build.UNITS
-    assert "../_cuda/jax_kernels.cu" in _ffi_build.SOURCES  # a kernel layout change rebuilds the handler
+    assert "cuda/jax_ffi_cuda.cc" in _ffi_build.UNITS
+    assert "cuda/jax_kernels.cu" in _ffi_build.SOURCES  # a kernel layout change rebuilds the handler
 
 
 # ------------------------------------------------------------------------------ the PTX
@@ -125,8 +126,8 @@ def test_the_module_is_header_free_and_the_layout_is_shared() -> None:
     for name in _jax.FUNCTIONS:
         assert f'extern "C" __global__ void {name}(' in source
     assert (_jax.LEAVES, _jax.CHUNK, _jax.THREADS) == (128, 65536, 512)
-    handler = (pathlib.Path(_ffi_build.HERE) / "_jax_ffi_cuda.cc").read_text()
-    assert '#include "../_cuda/jax_kernels.cu"' in handler  # the handler's table is the kernel's
+    handler = (pathlib.Path(_ffi_build.HERE) / "cuda" / "jax_ffi_cuda.cc").read_text()
+    assert '#include "jax_kernels.cu"' in handler  # the handler's table is the kernel's
 
 
 # ------------------------------------------------------------------------------ a fake driver

@@ -2,7 +2,7 @@
 
 Run by ``scripts/gpu-check.sh`` with JAX on the GPU. Every comparison is of raw bits (NaN
 payloads, signed zeros and denormals included) between the CUDA handler (ampscale's kernel,
-launched by XLA through ``_jax_ffi_cuda.cc``) and the pure-XLA path compiled by XLA:GPU, on
+launched by XLA through ``jax_ffi_cuda.cc``) and the pure-XLA path compiled by XLA:GPU, on
 every dtype, with inf/nan at the first and last elements, at chunk boundaries and in the last
 buffer of a launch, under jit, scan, vmap, shard_map, with and without donation, and across
 more buffers than one call and one launch take. On a GPU machine the kernels must load: a
@@ -19,7 +19,7 @@ jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("ml_dtypes")
 
 import ampscale  # noqa: E402
-from ampscale._cuda import _jax  # noqa: E402
+from ampscale._native.cuda import _jax  # noqa: E402
 from ampscale.backends import _jax_custom_call  # noqa: E402
 from ampscale.backends import jax as jax_backend  # noqa: E402
 from tests.test_jax_ffi import (  # noqa: E402

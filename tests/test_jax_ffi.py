@@ -21,7 +21,8 @@ jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import ampscale  # noqa: E402
-from ampscale.backends import _ffi_build, _jax_custom_call  # noqa: E402
+from ampscale._native import ffi_build as _ffi_build  # noqa: E402
+from ampscale.backends import _jax_custom_call  # noqa: E402
 from ampscale.backends import jax as jax_backend  # noqa: E402
 
 TARGET = _jax_custom_call.TARGET
@@ -464,8 +465,9 @@ def test_lazy_build_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
     assert "other sources or for another jaxlib" in why
     broken = tmp_path / "src"
     broken.mkdir()
-    (broken / "_kernels.h").write_text("#error broken\n")
-    (broken / "_jax_ffi.cc").write_text('#include "_kernels.h"\n')
+    (broken / "cpu").mkdir()
+    (broken / "cpu" / "kernels.h").write_text("#error broken\n")
+    (broken / "cpu" / "jax_ffi.cc").write_text('#include "kernels.h"\n')
     with pytest.raises(RuntimeError, match="broken"):
         _ffi_build.compile_library(str(tmp_path / "x.so"), headers[0], key, compiler, str(broken))
     assert not (tmp_path / "x.so").exists()

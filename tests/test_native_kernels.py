@@ -27,7 +27,7 @@ backend = pytest.importorskip("ampscale.backends.numpy")
 if not backend.NATIVE:
     pytest.skip("native kernel not built", allow_module_level=True)
 
-SOURCE = Path(backend.__file__).with_name("_native.c")
+SOURCE = Path(backend.__file__).parents[1] / "_native" / "cpu" / "_numpy.c"
 KINDS = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 DTYPES = [d for d in KINDS if d != "bfloat16" or BF16 is not None]
 
@@ -51,7 +51,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if os.environ.get("AMPSCALE_REQUIRE_SIMDE"):  # set by CI, which installs them
             pytest.fail("AMPSCALE_REQUIRE_SIMDE is set but the SIMDe headers are missing")
         pytest.skip("SIMDe headers not installed (apt-get install libsimde-dev)")
-    out = tmp_path_factory.mktemp("emulated") / ("_native" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = tmp_path_factory.mktemp("emulated") / ("_numpy" + sysconfig.get_config_var("EXT_SUFFIX"))
     compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
     command = [
         *compiler,
@@ -71,7 +71,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> Any:
         subprocess.run(command, check=True, capture_output=True, timeout=300)
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"could not build the emulated kernel: {exc}")
-    spec = importlib.util.spec_from_file_location("_native", out)
+    spec = importlib.util.spec_from_file_location("_numpy", out)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,13 +1,13 @@
-"""Build the XLA FFI handlers for JAX (CPU: ``_jax_ffi.cc``; CUDA: ``_jax_ffi_cuda.cc``) with the host C++ compiler.
+"""Build the XLA FFI handlers for JAX (CPU: ``jax_ffi.cc``; CUDA: ``jax_ffi_cuda.cc``) with the host C++ compiler.
 
 Both handlers go into one library; the CUDA one needs no CUDA toolkit to build (its kernels are
-compiled at run time by NVRTC, see ``ampscale._cuda._jax``).
+compiled at run time by NVRTC, see ``ampscale._native.cuda._jax``).
 
 Standard library only: ``setup.py`` runs it at install time, and the JAX backend on first use.
 
 * At install time, when jaxlib is installed in the build environment, the handler is compiled
   against the FFI headers jaxlib ships (``jax.ffi.include_dir()``) into
-  ``ampscale/backends/libampscale_jax_ffi.so``. pip builds in an isolated environment without
+  ``ampscale/_native/libampscale_jax_ffi.so``. pip builds in an isolated environment without
   jax by default, so this happens for ``pip install --no-build-isolation`` (and for
   ``python setup.py build_ext --inplace``), not for a plain ``pip install``.
 * Otherwise (or when that library was built from other sources or for another jaxlib), the
@@ -36,9 +36,9 @@ from importlib import metadata, util
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The files the handlers are compiled from, relative to this directory (the CPU kernels are
 #: shared with the NumPy extension; the CUDA handler takes its launch layout from the kernel source).
-SOURCES = ("_jax_ffi.cc", "_jax_ffi_cuda.cc", "_jax_ffi_leaves.h", "_kernels.h", "../_cuda/jax_kernels.cu")
+SOURCES = ("cpu/jax_ffi.cc", "cuda/jax_ffi_cuda.cc", "cpu/jax_ffi_leaves.h", "cpu/kernels.h", "cuda/jax_kernels.cu")
 #: The translation units of the library.
-UNITS = ("_jax_ffi.cc", "_jax_ffi_cuda.cc")
+UNITS = ("cpu/jax_ffi.cc", "cuda/jax_ffi_cuda.cc")
 #: The library built at install time, beside the sources.
 PREBUILT = os.path.join(HERE, "libampscale_jax_ffi.so")
 #: GCC/Clang flags; the kernels' float semantics match the NumPy extension's build.

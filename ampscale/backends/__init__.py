@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ampscale.backends._base import Backend
+from ampscale.backends._base import FRAMEWORK_MODULES, Backend
 
 __all__ = ["available_backends", "backend_of", "backend_of_leaves", "get_backend"]
 
@@ -27,8 +26,6 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
     "cupy": ("ampscale.backends.cupy", "cupy"),
 }
 
-#: top-level module of an array type -> backend name
-_TYPE_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax", "cupy": "cupy"}
 
 _loaded: dict[str, Backend] = {}
 #: namespace module -> its generic backend (keyed by the module itself: an id() could be reused)
@@ -48,8 +45,6 @@ def get_backend(spec: Any) -> Backend:
     Raises:
         ValueError: ``spec`` names no known backend, or its framework is not installed.
     """
-    from ampscale.backends._base import Backend
-
     if isinstance(spec, Backend):
         return spec
     if isinstance(spec, str):
@@ -66,7 +61,7 @@ def get_backend(spec: Any) -> Backend:
     if isinstance(namespace_name, str):
         top = namespace_name.split(".")[0]
         if namespace_name in ("numpy", "torch", "cupy", "jax.numpy", "jax"):
-            return _load(_TYPE_MODULES[top])
+            return _load(FRAMEWORK_MODULES[top])
         if namespace_name.startswith("array_api_compat."):
             wrapped = namespace_name.split(".")[1]
             if wrapped in _ADAPTERS:
@@ -148,7 +143,7 @@ def backend_of(value: Any) -> Backend | None:
 
 def backend_of_type(kind: type) -> Backend | None:
     """The backend of a framework's array type, from the module the type is defined in."""
-    name = _TYPE_MODULES.get(kind.__module__.split(".")[0])
+    name = FRAMEWORK_MODULES.get(kind.__module__.split(".")[0])
     if name is not None and _ADAPTERS[name][1] in sys.modules:
         return _load(name)
     cached = _type_cache.get(kind)

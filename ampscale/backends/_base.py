@@ -16,15 +16,59 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ampscale import _tree
 from ampscale._core import INT_FIELDS, ScalerState, transition
 from ampscale._errors import AliasedGradientsError
+from ampscale._native.cuda._packed import PackedState
 from ampscale._ops import ArrayOps, HostOps
-from ampscale.backends._packed import PackedState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ampscale._config import ScalerConfig
 
-__all__ = ["Backend", "may_overlap_itself"]
+__all__ = ["FRAMEWORK_MODULES", "Backend", "adapter_ready", "framework_of", "may_overlap_itself", "when_adapter_ready"]
+
+#: top-level module of an array type -> the name of the backend for it
+FRAMEWORK_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax", "cupy": "cupy"}
+
+
+def framework_of(value: Any) -> str | None:
+    """The name of the backend ``value`` belongs to, from its type alone (nothing is loaded).
+
+    ``None`` for Python scalars and objects of no known framework or array-API namespace.
+    """
+    name = FRAMEWORK_MODULES.get(type(value).__module__.split(".")[0])
+    if name is not None:
+        return name
+    namespace = getattr(value, "__array_namespace__", None)
+    if namespace is None:
+        return None
+    try:
+        return str(getattr(namespace(), "__name__", "array_api"))
+    except Exception:
+        return None
+
+
+# Adapters and the layers above them meet here, so that no adapter imports those layers: a
+# layer above registers a callback (the scaler, to make its class a JAX pytree), each adapter
+# module announces its backend once it is built, and every callback sees every adapter once,
+# whichever of the two comes first.
+_ready_callbacks: list[Callable[[Backend], None]] = []
+_ready_adapters: list[Backend] = []
+
+
+def when_adapter_ready(callback: Callable[[Backend], None]) -> None:
+    """Call ``callback(backend)`` for every adapter already loaded, and for each one loaded later."""
+    _ready_callbacks.append(callback)
+    for backend in list(_ready_adapters):
+        callback(backend)
+
+
+def adapter_ready(backend: Backend) -> None:
+    """Announce a loaded adapter to the callbacks of :func:`when_adapter_ready` (once per adapter)."""
+    if any(backend is known for known in _ready_adapters):
+        return
+    _ready_adapters.append(backend)
+    for callback in list(_ready_callbacks):
+        callback(backend)
 
 
 def may_overlap_itself(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
@@ -126,22 +170,26 @@ class Backend(abc.ABC):
                     "floating point (float16, bfloat16, float32 or float64)"
                 )
 
+    def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
+        """Register the scaler classes with the framework where it needs them (JAX: as pytrees).
+
+        Called once per adapter by the scaler's layer (see :func:`when_adapter_ready`); nothing
+        to do by default.
+        """
+        return
+
+    @abc.abstractmethod
     def owns_type(self, kind: type) -> bool:
         """Whether arrays of type ``kind`` belong to this backend."""
-        from ampscale.backends import backend_of_type
-
-        return backend_of_type(kind) is self
 
     def _reject(self, leaves: Sequence[Any], spec: Any, index: int, what: str) -> None:
-        from ampscale.backends import backend_of
-
         leaf = leaves[index]
         path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
         kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
-        other = backend_of(leaf)
+        other = framework_of(leaf)
         if other is not None:
             raise TypeError(
-                f"{what} {path} is a {other.name} array ({kind}), but this call is handled by "
+                f"{what} {path} is a {other} array ({kind}), but this call is handled by "
                 f"the {self.name} backend (the scaler's, or that of the other arrays): one call "
                 "takes one framework's arrays; move a scaler between frameworks with "
                 "create_scaler(backend=...).load_state_dict(scaler.state_dict())"

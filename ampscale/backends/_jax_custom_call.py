@@ -4,9 +4,9 @@ XLA compiles each gradient leaf into its own fusion and output buffer; that cost
 microseconds per leaf on the CPU (and about as much per leaf on a GPU) and keeps a step well
 below memory speed. The custom call ``ampscale_check_and_unscale_v1`` takes the inverse scale and
 up to :data:`GROUP` leaves, unscales them in place (each result aliases its operand, so donated
-gradients are never copied) and returns one flag. Its handlers: on the CPU ``_jax_ffi.cc`` (the
-NumPy extension's kernels), on CUDA GPUs ``_jax_ffi_cuda.cc`` (ampscale's multi-tensor kernel,
-compiled by NVRTC at run time, launched on XLA's stream: :mod:`ampscale._cuda._jax`).
+gradients are never copied) and returns one flag. Its handlers: on the CPU ``jax_ffi.cc`` (the
+NumPy extension's kernels), on CUDA GPUs ``jax_ffi_cuda.cc`` (ampscale's multi-tensor kernel,
+compiled by NVRTC at run time, launched on XLA's stream: :mod:`ampscale._native.cuda._jax`).
 
 It is bound as a primitive whose lowering decides, per platform and context, between the
 custom call and the pure-XLA path (both bit for bit the same):
@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ampscale._cuda import _jax as _cuda_kernels
 from ampscale._errors import PerformanceWarning
-from ampscale.backends import _ffi_build
+from ampscale._native import ffi_build as _ffi_build
+from ampscale._native.cuda import _jax as _cuda_kernels
+from ampscale.backends._jax_xla import check_and_unscale_xla
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -233,7 +234,7 @@ def _prepare_cuda() -> tuple[bool, str]:
     devices = _cuda_devices()
     if not devices:
         return False, "no CUDA device in this process"
-    from ampscale._cuda import driver
+    from ampscale._native.cuda import driver
 
     reason = driver.unavailable_reason()
     if reason is not None:
@@ -284,9 +285,7 @@ def status() -> CustomCallStatus:
 
 def _xla_path(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
     """The pure-XLA computation of the same results: ``(finite, *unscaled)``."""
-    from ampscale.backends.jax import _check_and_unscale_xla
-
-    outs, finite = _check_and_unscale_xla(list(grads), inv_scale)
+    outs, finite = check_and_unscale_xla(list(grads), inv_scale)
     return (finite, *outs)
 
 
@@ -449,9 +448,7 @@ def check_and_unscale(leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any],
     in_calls = set(fused)
     rest = [i for i in range(len(leaves)) if i not in in_calls]
     if rest:
-        from ampscale.backends.jax import _check_and_unscale_xla
-
-        others, finite = _check_and_unscale_xla([leaves[i] for i in rest], inv_scale)
+        others, finite = check_and_unscale_xla([leaves[i] for i in rest], inv_scale)
         flags.append(finite)
         for i, out in zip(rest, others, strict=True):
             outs[i] = out

@@ -1,6 +1,6 @@
 """CuPy backend: one CUDA launch per step (check, unscale and the state update), no host sync.
 
-The kernels (``ampscale/_cuda/kernels.cu``, with the state transition emitted as C for the
+The kernels (``ampscale/_native/cuda/kernels.cu``, with the state transition emitted as C for the
 scaler's configuration by :mod:`ampscale._codegen`) are compiled with NVRTC through
 ``cupy.RawModule`` (CuPy caches the binary on disk). A table of chunks (address, first element,
 length, dtype) of every gradient array lives on the GPU, cached while the arrays stay the same;
@@ -8,7 +8,7 @@ each block processes one chunk, reading and writing every element once, with 16-
 where aligned. The blocks past the table check the loss. The block that finishes last runs the
 transition on one thread and writes the next state: check, unscale and update are one launch.
 
-The state is one 80-byte device buffer (:mod:`ampscale.backends._packed`), the fields are
+The state is one 80-byte device buffer (:mod:`ampscale._native.cuda._packed`), the fields are
 views of it, and each update writes a new buffer. Where the flag must be known first (a
 caller's flag, NCCL agreement, underflow counting), the check runs alone and a one-thread
 update kernel follows: one more launch, still no sync.
@@ -32,11 +32,9 @@ import numpy as np
 
 from ampscale._config import make_config
 from ampscale._core import ScalerState
-from ampscale._cuda import _plan
 from ampscale._errors import PerformanceWarning
-from ampscale._ops import ArrayOps, PlainNamespace
-from ampscale.backends._base import Backend
-from ampscale.backends._packed import (
+from ampscale._native.cuda import _plan
+from ampscale._native.cuda._packed import (
     FLAG_BOOL,
     FLAG_FALSE,
     FLAG_TRUE,
@@ -46,6 +44,8 @@ from ampscale.backends._packed import (
     encode,
     offset_of,
 )
+from ampscale._ops import ArrayOps, PlainNamespace
+from ampscale.backends._base import Backend, adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -118,7 +118,7 @@ def _kernels(config: ScalerConfig, device_id: int) -> _Kernels | None:
                     module.compile()
                     _modules[source, device_id] = _Kernels(module)
             except Exception as exc:  # CuPy raises its own CompileException
-                from ampscale._cuda.driver import warn_fallback
+                from ampscale._native.cuda.driver import warn_fallback
 
                 warn_fallback("cupy", f"NVRTC could not compile the kernels: {exc}")
                 _modules[source, device_id] = None
@@ -416,3 +416,4 @@ class CupyBackend(Backend, CudaStep):
 
 
 BACKEND = CupyBackend()
+adapter_ready(BACKEND)

@@ -35,8 +35,10 @@ from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps, PlainNamespace
 from ampscale.backends import _jax_custom_call
-from ampscale.backends._base import Backend
+from ampscale.backends._base import Backend, adapter_ready
 from ampscale.backends._jax_custom_call import CustomCallStatus, use_custom_call
+from ampscale.backends._jax_xla import all_finite as _all_finite
+from ampscale.backends._jax_xla import check_and_unscale_xla as _check_and_unscale_xla
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -307,18 +309,40 @@ class JaxBackend(Backend):
         # every device of the axis ends with the same flag: false if any had an overflow
         return jax.lax.pmin(finite.astype(jnp.int32), group).astype(jnp.bool_)
 
+    # -- the Scaler as a pytree -------------------------------------------------------------
+    def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
+        """Register the scaler classes as JAX pytrees: settings static, the state the leaves.
+
+        ``pending_type`` is the scaler loaded before its backend was known (host values in
+        ``_values``); both unflatten to ``scaler_type``.
+        """
+
+        def flatten(scaler: Any) -> tuple[tuple[Any, ...], tuple[ScalerConfig, str]]:
+            state = scaler._state
+            if state is None:
+                values = scaler._values if isinstance(scaler, pending_type) else initial_values(scaler.config)
+                state = self.make_state(values, scaler.config)
+            elif isinstance(state, ScalerState):
+                state = self.pack(state)
+            return tuple(state), (scaler.config, "jax")
+
+        def flatten_with_keys(scaler: Any) -> tuple[tuple[Any, ...], tuple[ScalerConfig, str]]:
+            leaves, aux = flatten(scaler)
+            keys = [jax.tree_util.GetAttrKey(name) for name in PackedState._fields]
+            return tuple(zip(keys, leaves, strict=True)), aux
+
+        def unflatten(aux: tuple[ScalerConfig, str], leaves: Any) -> Any:
+            config, _ = aux
+            return scaler_type(config, PackedState(*leaves), self)
+
+        for cls in (scaler_type, pending_type):
+            jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
 
 #: jax.numpy for the transition's operations, NumPy for its constants (see JaxBackend.ops).
 _TRANSITION_XP = PlainNamespace(
     jnp, jnp.bool_, lambda x, dtype: jnp.astype(x, dtype), lambda value, dtype, _device: np.asarray(value, dtype=dtype)
 )
-
-
-def _unscale(x: Any, inv_scale: Any) -> Any:
-    """``x * inv_scale`` in float32 opmath (float64 for float64), back in ``x``'s dtype."""
-    if x.dtype == jnp.float64:
-        return x * inv_scale.astype(jnp.float64)
-    return (x.astype(jnp.float32) * inv_scale).astype(x.dtype)
 
 
 def _unpack(scales: Any, counters: Any) -> tuple[Any, ...]:
@@ -363,67 +387,9 @@ def _check_and_unscale(leaves: list[Any], inv_scale: Any, custom_call: bool = Tr
     return _check_and_unscale_xla(leaves, inv_scale)
 
 
-def _check_and_unscale_xla(leaves: list[Any], inv_scale: Any) -> tuple[list[Any], Any]:
-    """The pure-XLA path: each leaf unscaled by XLA, and the exact flag of the unscaled values."""
-    outs = [_unscale(x, inv_scale) for x in leaves]
-    return outs, _all_finite(outs)
-
-
-def _all_finite(leaves: list[Any]) -> Any:
-    """Exact and overflow-proof: sum(x * 0) is 0 when every x is finite, nan otherwise.
-
-    Same-shaped leaves are added elementwise in a balanced tree (XLA fuses it into one pass over
-    them) before a single reduction per shape, which keeps thousands of leaves to a handful of
-    reductions: fast to compile and to run.
-    """
-    if not leaves:
-        return jnp.asarray(True)
-    by_shape: dict[tuple[int, ...], list[Any]] = {}
-    for x in leaves:
-        zero = (x * 0).astype(jnp.float32) if x.dtype != jnp.float64 else x * 0
-        by_shape.setdefault(tuple(x.shape), []).append(zero)
-    totals = []
-    for zeros in by_shape.values():
-        while len(zeros) > 1:
-            zeros = [zeros[i] + zeros[i + 1] if i + 1 < len(zeros) else zeros[i] for i in range(0, len(zeros), 2)]
-        totals.append(jnp.sum(zeros[0]).astype(jnp.float32))
-    total = totals[0]
-    for t in totals[1:]:
-        total = total + t
-    return jnp.logical_not(jnp.isnan(total))
-
-
 _check_and_unscale_jit = jax.jit(_check_and_unscale, static_argnums=2)
 _all_finite_jit = jax.jit(_all_finite)
 
 
-# -- the Scaler as a pytree ---------------------------------------------------------------------
-
-
-def _register_scaler_pytree() -> None:
-    from ampscale._scaler import Scaler, _PendingScaler
-
-    def flatten(scaler: Scaler) -> tuple[tuple[Any, ...], tuple[ScalerConfig, str]]:
-        state = scaler._state
-        if state is None:
-            values = scaler._values if isinstance(scaler, _PendingScaler) else initial_values(scaler.config)
-            state = BACKEND.make_state(values, scaler.config)
-        elif isinstance(state, ScalerState):
-            state = BACKEND.pack(state)
-        return tuple(state), (scaler.config, "jax")
-
-    def flatten_with_keys(scaler: Scaler) -> tuple[tuple[Any, ...], tuple[ScalerConfig, str]]:
-        leaves, aux = flatten(scaler)
-        keys = [jax.tree_util.GetAttrKey(name) for name in PackedState._fields]
-        return tuple(zip(keys, leaves, strict=True)), aux
-
-    def unflatten(aux: tuple[ScalerConfig, str], leaves: Any) -> Scaler:
-        config, _ = aux
-        return Scaler(config, PackedState(*leaves), BACKEND)
-
-    for cls in (Scaler, _PendingScaler):
-        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-
-
 BACKEND = JaxBackend()
-_register_scaler_pytree()
+adapter_ready(BACKEND)  # the scaler's layer registers its classes as pytrees (adopt_scaler)

@@ -1,7 +1,7 @@
 """NumPy backend: the reference backend, fused and multi-threaded.
 
 Contiguous float16, bfloat16 (``ml_dtypes``), float32 and float64 arrays go through the native
-kernel (``_native.c``): one pass over memory per element (check the exponent bits, multiply in
+kernel (``ampscale/_native/cpu/_numpy.c``): one pass over memory per element (check the exponent bits, multiply in
 float32, write back), the GIL released, large trees split across threads. Anything else
 (strided views, read-only arrays, other float dtypes, or a build without the kernel) takes an
 exact pure-NumPy path that works block by block so each block is checked while it is in cache.
@@ -22,14 +22,14 @@ from ampscale._config import ScalerConfig
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._errors import PerformanceWarning
 from ampscale._ops import HostOps
-from ampscale.backends._base import Backend, internal_overlap_error, may_overlap_itself, overlap_error
+from ampscale.backends._base import Backend, adapter_ready, internal_overlap_error, may_overlap_itself, overlap_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
 _native: Any
 try:
-    from ampscale.backends import _native
+    from ampscale._native.cpu import _numpy as _native
 except ImportError:  # pragma: no cover - exercised only on builds without a C compiler
     _native = None
 
@@ -408,3 +408,4 @@ def _warn_no_native() -> None:
 
 
 BACKEND = NumpyBackend()
+adapter_ready(BACKEND)

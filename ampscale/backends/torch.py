@@ -28,10 +28,8 @@ from ampscale import _tree
 from ampscale._codegen import STATE_BYTES
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import INT_FIELDS, ScalerState
-from ampscale._cuda import _plan
-from ampscale._ops import ArrayOps, HostOps, PlainNamespace
-from ampscale.backends._base import Backend, internal_overlap_error, may_overlap_itself, overlap_error
-from ampscale.backends._packed import (
+from ampscale._native.cuda import _plan
+from ampscale._native.cuda._packed import (
     FLAG_BOOL,
     FLAG_FALSE,
     FLAG_FOUND_INF,
@@ -42,6 +40,8 @@ from ampscale.backends._packed import (
     encode,
     offset_of,
 )
+from ampscale._ops import ArrayOps, HostOps, PlainNamespace
+from ampscale.backends._base import Backend, adapter_ready, internal_overlap_error, may_overlap_itself, overlap_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -387,7 +387,7 @@ def _cuda_module(config: ScalerConfig, device: torch.device) -> Any:
     cache = config._cache
     if key in cache:
         return cache[key]
-    from ampscale._cuda import driver
+    from ampscale._native.cuda import driver
 
     if getattr(torch.version, "hip", None) or _current_raw_stream is None:
         reason = "this torch runs on ROCm" if getattr(torch.version, "hip", None) else "torch has no raw CUDA stream"
@@ -1043,3 +1043,4 @@ class TorchBackend(Backend, CudaStep):
 
 
 BACKEND = TorchBackend()
+adapter_ready(BACKEND)

@@ -17,13 +17,13 @@
  * The GIL is released while the kernel runs; trees larger than a threshold are split by element
  * count across `threads` POSIX threads.
  *
- * The kernels and the split live in `_kernels.h`, shared with the JAX backend's XLA FFI handler
- * (`_jax_ffi.cc`); this file is their Python entry point.
+ * The kernels and the split live in `kernels.h`, shared with the JAX backend's XLA FFI handler
+ * (`jax_ffi.cc`); this file is their Python entry point.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "_kernels.h"
+#include "kernels.h"
 
 /* ---------------------------------------------------------------- aliasing */
 
@@ -266,15 +266,15 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ampscale.backends._native",
+    PyModuleDef_HEAD_INIT, "ampscale._native.cpu._numpy",
     "Fused overflow check and unscale for contiguous NumPy buffers.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) {
+PyMODINIT_FUNC PyInit__numpy(void) {
     select_kernels();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    OverlapError = PyErr_NewExceptionWithDoc("ampscale.backends._native.OverlapError",
+    OverlapError = PyErr_NewExceptionWithDoc("ampscale._native.cpu._numpy.OverlapError",
                                              "Two buffers share some, but not all, of their bytes.",
                                              PyExc_ValueError, NULL);
     if (OverlapError == NULL || PyModule_AddObjectRef(m, "OverlapError", OverlapError) < 0) {

@@ -2,14 +2,14 @@
  * XLA FFI handler for JAX on the CPU: ampscale's fused overflow check + unscale, run by XLA as
  * one custom call over many gradient buffers, in place.
  *
- * It runs the very kernels of the NumPy extension (`_kernels.h`, the same SIMD inner loops and
+ * It runs the very kernels of the NumPy extension (`kernels.h`, the same SIMD inner loops and
  * the same split of the element range across threads), so JAX gets the same arithmetic as
  * ampscale's NumPy backend and as its pure-XLA path: every value times the inverse scale in
  * float32 (float64 for float64 buffers), rounded back to its dtype to nearest-even exactly as
  * XLA's convert does (NaN payloads included), and a flag that is true when every value is
  * finite.
  *
- * The target's contract, shared by every platform's handler (the CUDA handler, _jax_ffi_cuda.cc,
+ * The target's contract, shared by every platform's handler (the CUDA handler, jax_ffi_cuda.cc,
  * is registered under the same name with the same operands, results and attributes):
  *
  *   name:     "ampscale_check_and_unscale_v1" (a new operand or result gets a new name)
@@ -45,11 +45,11 @@
 #include <string>
 #include <vector>
 
-#include "_jax_ffi_leaves.h"
+#include "jax_ffi_leaves.h"
 #include "xla/ffi/api/ffi.h"
 
 extern "C" {
-#include "_kernels.h"
+#include "kernels.h"
 }
 
 namespace ffi = xla::ffi;

@@ -1,7 +1,7 @@
 /*
  * The gradients of one call of ampscale_check_and_unscale_v1, read the same way by the CPU
- * handler (_jax_ffi.cc) and the CUDA handler (_jax_ffi_cuda.cc): operand i + 1 and result i + 1
- * of each gradient, checked against the target's contract (see _jax_ffi.cc).
+ * handler (jax_ffi.cc) and the CUDA handler (jax_ffi_cuda.cc): operand i + 1 and result i + 1
+ * of each gradient, checked against the target's contract (see jax_ffi.cc).
  */
 #ifndef AMPSCALE_JAX_FFI_LEAVES_H
 #define AMPSCALE_JAX_FFI_LEAVES_H
@@ -16,7 +16,7 @@ namespace ampscale_ffi {
 
 namespace ffi = xla::ffi;
 
-// dtype codes: the same in _kernels.h (KIND_*), kernels.cu and jax_kernels.cu (checked there)
+// dtype codes: the same in kernels.h (KIND_*), kernels.cu and jax_kernels.cu (checked there)
 enum LeafKind { LEAF_F16 = 0, LEAF_BF16 = 1, LEAF_F32 = 2, LEAF_F64 = 3 };
 
 // One gradient: where it is read, where it is written (the same buffer when the call aliases

@@ -1,6 +1,6 @@
 /*
  * ampscale's fused overflow check + unscale kernels, shared by every host entry point: the
- * NumPy extension (`_native.c`) and the XLA FFI handler for JAX on the CPU (`_jax_ffi.cc`).
+ * NumPy extension (`_numpy.c`) and the XLA FFI handler for JAX on the CPU (`jax_ffi.cc`).
  * Plain C (also valid C++), no Python or XLA types; every function is static, so each entry
  * point compiles its own copy of the same source.
  *

@@ -9,7 +9,7 @@
  * passed as one 64-bit value (the kernels take only pointers and long long).
  *
  * Other extensions (an XLA FFI CUDA handler) reach the same entry points through the capsule
- * ampscale._cuda._driver._C_API: a struct AmpscaleDriverApi (see below), filled by init().
+ * ampscale._native.cuda._driver._C_API: a struct AmpscaleDriverApi (see below), filled by init().
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -68,7 +68,7 @@ static PyObject* driver_error(const char* what, CUresult result) {
 
 static int ready(void) {
     if (driver_handle != NULL) return 1;
-    PyErr_SetString(PyExc_RuntimeError, "ampscale._cuda._driver.init() has not succeeded");
+    PyErr_SetString(PyExc_RuntimeError, "ampscale._native.cuda._driver.init() has not succeeded");
     return 0;
 }
 
@@ -233,7 +233,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "ampscale._cuda._driver",
+    PyModuleDef_HEAD_INIT, "ampscale._native.cuda._driver",
     "The CUDA driver API at run time (libcuda.so.1 through dlopen): module loading and kernel launches.", -1,
     methods,
 };
@@ -241,7 +241,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__driver(void) {
     PyObject* module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
-    PyObject* capsule = PyCapsule_New(&api, "ampscale._cuda._driver._C_API", NULL);
+    PyObject* capsule = PyCapsule_New(&api, "ampscale._native.cuda._driver._C_API", NULL);
     if (capsule == NULL || PyModule_AddObject(module, "_C_API", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(module);

@@ -1,6 +1,6 @@
 """The JAX CUDA handler's kernels, made ready for it in this process: no JAX import here.
 
-The XLA FFI handler (``ampscale/backends/_jax_ffi_cuda.cc``, in the handler library with the CPU
+The XLA FFI handler (``ampscale/_native/cuda/jax_ffi_cuda.cc``, in the handler library with the CPU
 one) launches ``ampscale_jax_begin`` and ``ampscale_jax_unscale`` (``jax_kernels.cu``, after the
 shared ``kernels.cu``) on XLA's stream. It finds them in a per-process table that this module
 fills before anything is lowered to the custom call:
@@ -8,8 +8,8 @@ fills before anything is lowered to the custom call:
 * :func:`set_driver`: the driver entry points the handler calls (``cuLaunchKernel``,
   ``cuMemcpyDtoDAsync``, the context calls, ``cuGetErrorString``), looked up in ``libcuda.so.1``;
 * :func:`bind`: for one device, the module compiled by NVRTC for its architecture (cached on
-  disk by :mod:`ampscale._cuda.nvrtc`), loaded into its primary context (the one XLA uses) by
-  :mod:`ampscale._cuda.driver`, and the two kernels recorded under the device's CUDA ordinal.
+  disk by :mod:`ampscale._native.cuda.nvrtc`), loaded into its primary context (the one XLA uses) by
+  :mod:`ampscale._native.cuda.driver`, and the two kernels recorded under the device's CUDA ordinal.
 
 Registering a table from Python rather than preparing the kernels in an XLA instantiate stage
 keeps NVRTC, its disk cache and the driver loading in one place for every GPU backend, and lets
@@ -25,7 +25,7 @@ import re
 import threading
 from typing import Any
 
-from ampscale._cuda import _plan, driver
+from ampscale._native.cuda import _plan, driver
 
 __all__ = [
     "CHUNK",

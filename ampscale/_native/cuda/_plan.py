@@ -51,7 +51,7 @@ _SOURCE = pathlib.Path(__file__).with_name("kernels.cu")
 
 
 def kernel_source() -> str:
-    """The configuration-independent CUDA source (``ampscale/_cuda/kernels.cu``)."""
+    """The configuration-independent CUDA source (``ampscale/_native/cuda/kernels.cu``)."""
     return _SOURCE.read_text()
 
 

@@ -1,11 +1,11 @@
 """The kernels of one configuration on one GPU, compiled by NVRTC and launched through the driver.
 
 :func:`module_for` returns a :class:`DeviceModule` (the ``ampscale_step`` and ``ampscale_update``
-functions of :mod:`ampscale._cuda._plan`'s module source, loaded into the device's primary
+functions of :mod:`ampscale._native.cuda._plan`'s module source, loaded into the device's primary
 context), or ``None`` where the fast path cannot run: the C extension was not built, the
 driver (``libcuda.so.1``) or NVRTC cannot be loaded, or NVRTC refused the source. Then the
 caller keeps its eager path, and one :class:`~ampscale.PerformanceWarning` per process says
-why. Launches go through :func:`ampscale._cuda._driver.launch` (METH_FASTCALL, a fraction of a
+why. Launches go through :func:`ampscale._native.cuda._driver.launch` (METH_FASTCALL, a fraction of a
 microsecond of Python).
 """
 
@@ -15,8 +15,8 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ampscale._cuda import _plan, nvrtc
 from ampscale._errors import PerformanceWarning
+from ampscale._native.cuda import _plan, nvrtc
 
 if TYPE_CHECKING:
     from ampscale._config import ScalerConfig
@@ -31,7 +31,7 @@ _modules: dict[tuple[str, int], DeviceModule] = {}  # (source, device ordinal) -
 
 def launcher() -> Any:
     """The C extension's module (``init()`` done). Raises ``OSError``/``RuntimeError``/``ImportError``."""
-    from ampscale._cuda import _driver
+    from ampscale._native.cuda import _driver
 
     _driver.init()
     return _driver
@@ -46,7 +46,7 @@ def unavailable_reason() -> str | None:
         try:
             launcher()
         except ImportError as exc:
-            reason = f"the C extension ampscale._cuda._driver is not built ({exc})"
+            reason = f"the C extension ampscale._native.cuda._driver is not built ({exc})"
         except (OSError, RuntimeError) as exc:
             reason = str(exc)
         if reason is None:

@@ -1,13 +1,13 @@
 /*
  * XLA FFI handler for JAX on CUDA GPUs: ampscale_check_and_unscale_v1 (the contract is in
- * _jax_ffi.cc), run as ampscale's multi-tensor kernel on the stream XLA gives the handler.
+ * jax_ffi.cc), run as ampscale's multi-tensor kernel on the stream XLA gives the handler.
  *
  * Built by the host C++ compiler with the CPU handler, into the same library, against the FFI
  * headers jaxlib ships: no CUDA toolkit is needed to build it (the few driver types are declared
  * below) nor to run it (the driver is libcuda.so.1, found at run time).
  *
  * Where the kernels and the driver come from: a per-process table filled from Python before
- * anything is lowered to this call (ampscale._cuda._jax). ampscale_ffi_cuda_set_driver takes the
+ * anything is lowered to this call (ampscale._native.cuda._jax). ampscale_ffi_cuda_set_driver takes the
  * driver entry points it calls, looked up in libcuda.so.1; ampscale_ffi_cuda_bind takes, for one
  * device ordinal, the primary context and the two kernels of jax_kernels.cu, which NVRTC compiled
  * (cached on disk) and the driver loaded into that context. XLA compiles and runs the call long
@@ -26,11 +26,11 @@
 #include <string>
 #include <vector>
 
-#include "_jax_ffi_leaves.h"
+#include "../cpu/jax_ffi_leaves.h"
 #include "xla/ffi/api/ffi.h"
 
 #define AMPSCALE_JAX_PARAMS_ONLY
-#include "../_cuda/jax_kernels.cu"
+#include "jax_kernels.cu"
 
 namespace ffi = xla::ffi;
 

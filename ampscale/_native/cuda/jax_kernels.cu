@@ -1,4 +1,4 @@
-// The CUDA kernels of the JAX XLA FFI handler (ampscale/backends/_jax_ffi_cuda.cc): the check +
+// The CUDA kernels of the JAX XLA FFI handler (ampscale/_native/cuda/jax_ffi_cuda.cc): the check +
 // unscale of many buffers in place, on the stream XLA gives the handler, the flag written on the
 // device.
 //
@@ -9,7 +9,7 @@
 // so a call builds it on the host with no device allocation, no copy to the device and no
 // host sync. The table stays under the 4 KB every CUDA driver accepts for a launch's parameters.
 //
-// The rest is compiled by NVRTC after ampscale._cuda._plan.module_source(...) (kernels.cu: the
+// The rest is compiled by NVRTC after ampscale._native.cuda._plan.module_source(...) (kernels.cu: the
 // element, word and chunk code shared with the CuPy and torch kernels), and by the host's C++
 // compiler with AMPSCALE_HOST_TEST for the tests, which run it on the CPU.
 //

@@ -1,6 +1,6 @@
 // ampscale's CUDA kernels: the fused multi-tensor check + unscale, with the state transition in
 // its last block, and the one-thread state update. Compiled with NVRTC (through CuPy, or by
-// ampscale._cuda for torch) or nvcc, with --fmad=false --ftz=false; no header is included.
+// ampscale._native.cuda for torch) or nvcc, with --fmad=false --ftz=false; no header is included.
 //
 // The source is prefixed, per configuration, with ampscale._codegen.C_PRELUDE and
 // c_transition(config): they define struct ampscale_State (the packed state: every field, the
