@@ -1,0 +1,172 @@
+"""The house's layers, enforced from the code's own imports (docs/design.md, "The layers").
+
+Every module of the package belongs to one layer; a module imports only modules of its own layer
+or of the layers below it, and the imports form no circle. Every import counts: at the top of a
+module, inside a function (a lazy import), and under ``TYPE_CHECKING``. A new module must be
+placed in a layer here before it can land, so that the next circle fails this test, not a review.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ampscale"
+
+#: the layers, lowest first: (name, the modules in it; a name ending in ".*" takes a whole subpackage)
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("ampscale._errors", "ampscale._config", "ampscale._tree", "ampscale._version")),
+    ("state machine", ("ampscale._core",)),
+    ("code generator", ("ampscale._codegen",)),
+    ("host operations and checkpoints", ("ampscale._ops", "ampscale._state_dict")),
+    ("native code", ("ampscale._native", "ampscale._native.*")),
+    ("adapter protocol", ("ampscale.backends._base",)),
+    (
+        "adapters",
+        (
+            "ampscale.backends.numpy",
+            "ampscale.backends.torch",
+            "ampscale.backends.jax",
+            "ampscale.backends._jax_custom_call",
+            "ampscale.backends._jax_xla",
+            "ampscale.backends.cupy",
+            "ampscale.backends.array_api",
+        ),
+    ),
+    ("backend registry", ("ampscale.backends",)),
+    ("scaler", ("ampscale._scaler",)),
+    ("diagnostics", ("ampscale._diagnostics",)),
+    ("package", ("ampscale", "ampscale._info")),
+    (
+        "framework helpers",
+        (
+            "ampscale._torch_scaler",
+            "ampscale._torch_sharded",
+            "ampscale.torch",
+            "ampscale.jax",
+            "ampscale.demo",
+            "ampscale.__main__",
+        ),
+    ),
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> int:
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if module == member or (member.endswith(".*") and module.startswith(member[:-1])):
+                return index
+    raise AssertionError(f"{module} is in no layer: place it in LAYERS (tests/test_layers.py) and docs/design.md")
+
+
+def _resolve(importer: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The package's modules an import statement loads (a name imported from a package that is
+    itself a module counts as that module)."""
+    if isinstance(node, ast.Import):
+        candidates = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = importer.split(".")
+            if MODULES[importer].name != "__init__.py":
+                package = package[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, base] if base else package)
+        candidates = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    found = set()
+    for name in candidates:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != importer:
+            found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, wherever in the module the import stands."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets |= _resolve(name, node)
+        graph[name] = targets
+    return graph
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below() -> None:
+    upward = [
+        f"{importer} ({LAYERS[layer_of(importer)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for importer, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(importer)
+    ]
+    assert upward == [], "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_the_imports_form_no_circle() -> None:
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state:
+                circle = visit(target)
+                if circle:
+                    return circle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            circle = visit(module)
+            assert circle is None, "an import circle: " + " -> ".join(circle)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import ampscale._scaler\n",
+        "def f():\n    from ampscale import _scaler\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ampscale._scaler import Scaler\n",
+    ],
+)
+def test_the_rule_sees_top_level_lazy_and_type_checking_imports(source: str, monkeypatch) -> None:
+    """The check itself: an upward import of each kind, planted in the state machine, is found."""
+    tree_source = MODULES["ampscale._core"].read_text() + "\n" + source
+    original = pathlib.Path.read_text
+
+    def read_text(self: pathlib.Path, *args: object, **kwargs: object) -> str:
+        if self == MODULES["ampscale._core"]:
+            return tree_source
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    with pytest.raises(AssertionError, match=r"ampscale\._core \(state machine\) imports ampscale\._scaler \(scaler\)"):
+        test_each_layer_imports_only_itself_and_the_layers_below()
