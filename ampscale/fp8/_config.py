@@ -39,8 +39,11 @@ storage              ``"scale"``: the scale is the state and ``scale_inv = 1/sca
 timing               ``"after_write"``: the new scale sees this step's amax (TE, flax's cast);
                      ``"before_write"``: it sees the window before it (Keras: its cast uses the
                      variable, one step later than flax).
-subnormals           ``"keep"``, or ``"flush"``: subnormal amaxes count as 0 and subnormal
-                     results become 0, as XLA computes on the CPU (the JAX anchors).
+subnormals           ``"keep"``; ``"flush"``: subnormal amaxes count as 0 and subnormal
+                     results become 0, as XLA's CPU computes eager ``jnp`` operations (flax,
+                     Keras); ``"flush_window"``: only a window's max (a reduction over two or
+                     more amaxes) flushes a subnormal to 0, as TE-JAX's jitted update does on
+                     XLA's CPU (a single amax keeps its bits there, and its scale is inf).
 on_skipped_step      a step the loss scaler skips still ``"record"``-s its amaxes (TE) or
                      ``"freeze"``-s every slot (Keras: the whole apply is skipped).
 ==================== ==========================================================================
@@ -89,7 +92,7 @@ _CHOICES: Final[dict[str, tuple[str, ...]]] = {
     "history_nan": ("drop", "propagate"),
     "storage": ("scale", "inverse"),
     "timing": ("after_write", "before_write"),
-    "subnormals": ("keep", "flush"),
+    "subnormals": ("keep", "flush", "flush_window"),
     "on_skipped_step": ("record", "freeze"),
 }
 #: every setting, in the order of the docs' table (the checkpoint's ``settings`` keys)
@@ -185,11 +188,11 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
         ),
         _preset(
             "te_jax_delayed",
-            "Transformer Engine JAX DelayedScaleQuantizer (on XLA's CPU: subnormals flushed)",
+            "Transformer Engine JAX DelayedScaleQuantizer (jitted, on XLA's CPU)",
             _TE + "transformer_engine/jax/quantize/quantizer.py (DelayedScaleQuantizer.update, compute_scale_from_amax)",
             scale_rule="divide_then_margin",
             inf_scale="none",
-            subnormals="flush",
+            subnormals="flush_window",
         ),
         _preset(
             "te_current",

@@ -19,7 +19,8 @@ The algorithm, for one slot and one call of ``update(amax, step_ok)``::
     m      = a                        if amax_algo in ("current", "most_recent")
              window_max(h')           if timing == "after_write"   (drop or propagate nan)
              window_max(h)            if timing == "before_write"  (Keras)
-    m      = 0 if subnormals == "flush" and m is subnormal          (XLA on the CPU)
+    m      = 0 if m is subnormal and (subnormals == "flush"              (XLA on the CPU, eager)
+                or subnormals == "flush_window" and m is a window's max)   (XLA's reduction, jitted)
     m      = eps if m < eps (scale_rule != "float64")
     s      = scale_rule(m)            # f32(f32(fp8_max * 2**-margin) / m), ...
     s      = s if m is finite and > 0 else {keep: old scale, one: 1, formula: s}
@@ -127,7 +128,8 @@ def slot_transition(
         m = ops.window_max(history, c.history_nan)
     else:
         m = ops.window_max(slot.history, c.history_nan)
-    if c.subnormals == "flush":
+    window = c.amax_algo == "max" and c.history_len > 1
+    if c.subnormals == "flush" or (c.subnormals == "flush_window" and window):
         m = ops.flush(m)
     if c.scale_rule != "float64" and c.eps_value > 0.0:
         eps = ops.f32(c.eps_value)
