@@ -64,6 +64,8 @@ def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = T
     slot = Fp8Slot(state.scale, state.scale_inv, state.history, state.filled, state.zero_amax, state.nonfinite)
     fp8_max = ops.array(list(config.slot_max), "float32")
     next_slot, updated = slot_transition(config, slot, amax, fp8_max, step_ok, ops)
+    every_slot = next_slot.filled >= 0  # [N] true: a per-step flag as one per slot
+    updated = every_slot if updated is True else every_slot & updated
     steps = state.steps + ops._to_int(state.steps < INT32_MAX)
     return Fp8State(*next_slot, steps=steps), updated
 
