@@ -103,7 +103,12 @@ def te_jax_functions() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    namespace: dict[str, Any] = {"jnp": jnp, "jax": jax, "Optional": typing.Optional, "AmaxComputeAlgo": AmaxComputeAlgo}
+    namespace: dict[str, Any] = {
+        "jnp": jnp,
+        "jax": jax,
+        "Optional": typing.Optional,
+        "AmaxComputeAlgo": AmaxComputeAlgo,
+    }
     source = te_source("jax/quantize/quantizer.py")
     fns = extract(source, ["compute_scale_from_amax"], namespace)
     methods = ["_update_amax_history", "_compute_scale", "_roll_and_reset_amax_history"]

@@ -17,9 +17,12 @@ from ampscale.fp8._config import FP8_PRESETS, make_fp8_config
 from tests.test_fp8_presets import amax_value, normal
 
 # XLA's CPU flushes subnormal operands and results (a == 0 for 1e-45, 1 / FLT_MAX -> 0), which
-# NumPy and torch keep, intermediate ones included (1 / 2**126 -> 0): the JAX comparison draws amaxes that make no subnormal (docs/fp8.md)
+# NumPy and torch keep, intermediate ones included (1 / 2**126 -> 0): the JAX comparison draws
+# amaxes that make no subnormal (docs/fp8.md)
 jax_amax_value = st.one_of(
-    normal, st.floats(16384.0, float(np.float32(1e30)), width=32), st.sampled_from([0.0, float(np.float32(1e-30)), np.inf, np.nan])
+    normal,
+    st.floats(16384.0, float(np.float32(1e30)), width=32),
+    st.sampled_from([0.0, float(np.float32(1e-30)), np.inf, np.nan]),
 )
 jax_steps = st.lists(st.tuples(st.lists(jax_amax_value, min_size=3, max_size=3), st.booleans()), min_size=6, max_size=6)
 SLOTS = {"x": "forward", "w": "forward", "dy": "backward"}

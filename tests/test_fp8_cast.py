@@ -23,8 +23,9 @@ def sample() -> np.ndarray:
     low = np.arange(64, dtype=np.uint32)
     # FP8 keeps 2 or 3 mantissa bits: the patterns at and next to every tie of every kept bit
     ties = (np.arange(1, 1 << 4, dtype=np.uint32) << 19)[:, None] + np.array([-1, 0, 1], np.int64)[None, :]
-    mantissas = np.concatenate([low, (1 << 23) - 1 - low, np.arange(0, 1 << 23, 4099, dtype=np.uint32),
-                                ties.reshape(-1).astype(np.uint32)])
+    mantissas = np.concatenate(
+        [low, (1 << 23) - 1 - low, np.arange(0, 1 << 23, 4099, dtype=np.uint32), ties.reshape(-1).astype(np.uint32)]
+    )
     grid = (exponents[:, None] << 23) | mantissas[None, :]
     bits = np.concatenate([grid.reshape(-1), grid.reshape(-1) | np.uint32(1 << 31)])
     random = np.random.default_rng(27).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

@@ -93,7 +93,9 @@ def test_flax_and_keras_variables_import():
     flax = anchors.flax_run([*stream, 1.0], "e4m3fn", 3)
     config = fp8.make_fp8_config("flax", {"x": "forward"}, history_len=3)
     scale, history = flax[len(stream) - 1]
-    f8 = fp8.Fp8Scaler(config, fp8.init_state(config)).load_state_dict(from_flax({"x": (np.float32([scale]), history)}, config))
+    f8 = fp8.Fp8Scaler(config, fp8.init_state(config)).load_state_dict(
+        from_flax({"x": (np.float32([scale]), history)}, config)
+    )
     assert float(f8.state.scale_inv[0]) == flax[len(stream)][0]  # the scale flax computes next
     keras_config = fp8.make_fp8_config("keras", {"x": "forward"}, history_len=3)
     loaded = from_keras({"x": {"scale": np.float32([scale]), "amax_history": history}}, keras_config)

@@ -30,8 +30,13 @@ SLOTS = {"x": "forward", "w": "forward", "dy": "backward"}
 
 
 class _Slot(ctypes.Structure):
-    _fields_ = [("scale", ctypes.c_float), ("scale_inv", ctypes.c_float), ("filled", ctypes.c_int),
-                ("zero_amax", ctypes.c_int), ("nonfinite", ctypes.c_int)]
+    _fields_ = [
+        ("scale", ctypes.c_float),
+        ("scale_inv", ctypes.c_float),
+        ("filled", ctypes.c_int),
+        ("zero_amax", ctypes.c_int),
+        ("nonfinite", ctypes.c_int),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +49,52 @@ def library(tmp_path_factory):
         parts.append(c_transition(config, prefix=f"c{k}_"))
     tmp = tmp_path_factory.mktemp("fp8c")
     source = tmp / "fp8.c"
-    source.write_text("\n".join(parts) + "\n" + "\n".join(
-        f"void run{k}(const void* in, void* out, const float* h, float* ho, const float* a, const float* m, int ok, int* u, int n)"
-        f" {{ c{k}_transition(in, out, h, ho, a, m, ok, u, n); }}" for k in range(len(configs))
-    ))
+    source.write_text(
+        "\n".join(parts)
+        + "\n"
+        + "\n".join(
+            f"void run{k}(const void* in, void* out, const float* h, float* ho, const float* a, const float* m,"
+            " int ok, int* u, int n)"
+            f" {{ c{k}_transition(in, out, h, ho, a, m, ok, u, n); }}"
+            for k in range(len(configs))
+        )
+    )
     lib = tmp / "fp8.so"
-    subprocess.run([CC, "-std=c11", "-O2", "-Wall", "-Werror", "-Wno-unused-function", "-ffp-contract=off",
-                    "-fPIC", "-shared", "-o", str(lib), str(source)], check=True, timeout=600)
+    subprocess.run(
+        [
+            CC,
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            "-Wno-unused-function",
+            "-ffp-contract=off",
+            "-fPIC",
+            "-shared",
+            "-o",
+            str(lib),
+            str(source),
+        ],
+        check=True,
+        timeout=600,
+    )
     return ctypes.CDLL(str(lib)), list(configs)
 
 
 def run_c(so, k, config, state, amax, ok):
-    n, length = config.size, config.history_len
-    slots = (_Slot * n)(*[_Slot(float(state.scale[i]), float(state.scale_inv[i]), int(state.filled[i]),
-                                int(state.zero_amax[i]), int(state.nonfinite[i])) for i in range(n)])
+    n = config.size
+    slots = (_Slot * n)(
+        *[
+            _Slot(
+                float(state.scale[i]),
+                float(state.scale_inv[i]),
+                int(state.filled[i]),
+                int(state.zero_amax[i]),
+                int(state.nonfinite[i]),
+            )
+            for i in range(n)
+        ]
+    )
     history = np.ascontiguousarray(state.history, np.float32)
     amax = np.ascontiguousarray(amax, np.float32)
     fmax = np.asarray(config.slot_max, np.float32)
@@ -65,8 +102,17 @@ def run_c(so, k, config, state, amax, ok):
     out = (_Slot * n)()
     out_history = np.empty_like(history)
     ptr = ctypes.c_void_p
-    getattr(so, f"run{k}")(slots, out, ptr(history.ctypes.data), ptr(out_history.ctypes.data), ptr(amax.ctypes.data),
-                           ptr(fmax.ctypes.data), int(ok), ptr(updated.ctypes.data), n)
+    getattr(so, f"run{k}")(
+        slots,
+        out,
+        ptr(history.ctypes.data),
+        ptr(out_history.ctypes.data),
+        ptr(amax.ctypes.data),
+        ptr(fmax.ctypes.data),
+        int(ok),
+        ptr(updated.ctypes.data),
+        n,
+    )
     scale = np.asarray([s.scale for s in out], np.float32)
     scale_inv = np.asarray([s.scale_inv for s in out], np.float32)
     counters = [np.asarray([getattr(s, f) for s in out], np.int32) for f in ("filled", "zero_amax", "nonfinite")]
@@ -77,7 +123,9 @@ def bits(a):
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_emitted_c_and_python_equal_the_numpy_transition(library, data):
     so, keys = library
@@ -91,9 +139,20 @@ def test_emitted_c_and_python_equal_the_numpy_transition(library, data):
         amax = np.asarray(data.draw(st.lists(amax_value, min_size=3, max_size=3)), np.float32)
         ok = data.draw(st.booleans())
         c_scale, c_inv, c_hist, c_counts, c_updated = run_c(so, k, config, state, amax, ok)
-        py = [python(float(state.scale[i]), float(state.scale_inv[i]), tuple(state.history[i].tolist()),
-                     int(state.filled[i]), int(state.zero_amax[i]), int(state.nonfinite[i]), float(amax[i]),
-                     float(config.slot_max[i]), ok) for i in range(3)]
+        py = [
+            python(
+                float(state.scale[i]),
+                float(state.scale_inv[i]),
+                tuple(state.history[i].tolist()),
+                int(state.filled[i]),
+                int(state.zero_amax[i]),
+                int(state.nonfinite[i]),
+                float(amax[i]),
+                float(config.slot_max[i]),
+                ok,
+            )
+            for i in range(3)
+        ]
         state, updated = fp8.update_state(config, state, amax, ok)
         where = f"{preset} L={length} amax={amax.tolist()} ok={ok}"
         assert (bits(c_scale) == bits(state.scale)).all(), f"C scale {c_scale} != {state.scale} ({where})"
@@ -105,7 +164,9 @@ def test_emitted_c_and_python_equal_the_numpy_transition(library, data):
         for i, (fields, up) in enumerate(py):
             assert bits(fields[0]) == bits(state.scale[i]), f"Python scale {fields[0]} != {state.scale[i]} ({where})"
             assert bits(fields[1]) == bits(state.scale_inv[i]), f"Python scale_inv ({where})"
-            assert (bits(np.asarray(fields[2], np.float32)) == bits(state.history[i])).all(), f"Python history ({where})"
+            assert (bits(np.asarray(fields[2], np.float32)) == bits(state.history[i])).all(), (
+                f"Python history ({where})"
+            )
             assert tuple(fields[3:]) == (state.filled[i], state.zero_amax[i], state.nonfinite[i]), where
             assert bool(up) == bool(np.asarray(updated)[i]), where
 
@@ -145,7 +206,8 @@ def test_the_cuda_source_compiles_with_nvrtc():
             f'extern "C" __global__ void update{k}(const struct k{k}_Slot* in, struct k{k}_Slot* out, const float* h,'
             " float* ho, const float* a, const float* m, int ok, int* u, int n) {\n"
             "    const int k = blockIdx.x * blockDim.x + threadIdx.x;\n"
-            f"    if (k < n) k{k}_transition(in + k, out + k, h + 16LL * k, ho + 16LL * k, a + k, m + k, ok, u ? u + k : 0, 1);\n"
+            f"    if (k < n) k{k}_transition(in + k, out + k, h + 16LL * k, ho + 16LL * k, a + k, m + k, ok,"
+            " u ? u + k : 0, 1);\n"
             "}\n"
         )
     ptx, kind = nvrtc.compile_source("\n".join(parts), 90, _plan.COMPILE_OPTIONS, ptx=True)

@@ -26,8 +26,17 @@ from tests import fp8_anchors as anchors
 SUBNORMAL = float(np.float32(1e-40))
 TINY = float(np.finfo(np.float32).tiny)
 HALF_MAX = float(np.float32(np.finfo(np.float32).max / 2))
-SPECIAL = [0.0, float(np.float32(1e-45)), SUBNORMAL, TINY, float(np.float32(3e-38)), float(np.float32(1e-36)),
-           HALF_MAX, math.inf, math.nan]
+SPECIAL = [
+    0.0,
+    float(np.float32(1e-45)),
+    SUBNORMAL,
+    TINY,
+    float(np.float32(3e-38)),
+    float(np.float32(1e-36)),
+    HALF_MAX,
+    math.inf,
+    math.nan,
+]
 normal = st.floats(0.0009765625, 16384.0, width=32)
 spike = st.floats(16384.0, float(np.float32(3e38)), width=32)
 amax_value = st.one_of(normal, normal, normal, spike, st.sampled_from(SPECIAL))
@@ -37,8 +46,11 @@ streams = st.lists(
 lengths = st.sampled_from([1, 2, 16, 1024])
 margins = st.integers(0, 3)
 roles = st.sampled_from(["forward", "backward"])
-CASES = settings(max_examples=int(os.environ.get("AMPSCALE_FP8_EXAMPLES", "40")), deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+CASES = settings(
+    max_examples=int(os.environ.get("AMPSCALE_FP8_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def bits(x: float) -> str:

@@ -69,7 +69,7 @@ def quantize(x: Any, scale: Any, fmt: str, divide: bool = False) -> Any:
         divide: divide by ``scale`` instead of multiplying (flax and Keras).
     """
     framework = framework_of(x)
-    bound = FORMATS[fmt] if fmt in FORMATS else None
+    bound = FORMATS.get(fmt)
     if bound is None:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}; got {fmt!r}")
     wide = _float32(x, framework)

@@ -25,7 +25,17 @@ import math
 import struct
 from typing import TYPE_CHECKING, Any
 
-from ampscale._codegen import C_PRELUDE, C_TEMPLATES, PYTHON_TEMPLATES, _c_float, _c_int, _emit, _literal, _Node, _TraceOps
+from ampscale._codegen import (
+    C_PRELUDE,
+    C_TEMPLATES,
+    PYTHON_TEMPLATES,
+    _c_float,
+    _c_int,
+    _emit,
+    _literal,
+    _Node,
+    _TraceOps,
+)
 from ampscale._config import FLOAT32_TINY, _round_to
 from ampscale.fp8._ops import floor_log2_thresholds
 from ampscale.fp8._transition import Fp8Slot, slot_transition
@@ -421,4 +431,3 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
         "",
     ]
     return "\n".join(lines)
-

@@ -189,7 +189,8 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
         _preset(
             "te_jax_delayed",
             "Transformer Engine JAX DelayedScaleQuantizer (jitted, on XLA's CPU)",
-            _TE + "transformer_engine/jax/quantize/quantizer.py (DelayedScaleQuantizer.update, compute_scale_from_amax)",
+            _TE
+            + "transformer_engine/jax/quantize/quantizer.py (DelayedScaleQuantizer.update, compute_scale_from_amax)",
             scale_rule="divide_then_margin",
             inf_scale="none",
             subnormals="flush_window",

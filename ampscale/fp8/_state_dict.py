@@ -32,7 +32,14 @@ from ampscale._errors import StateDictError
 from ampscale.fp8._config import FP8_PRESETS, SETTINGS_ORDER, Fp8Config
 from ampscale.fp8._transition import Fp8State
 
-__all__ = ["FP8_FORMAT_VERSION", "from_flax", "from_keras", "from_state_dict", "from_transformer_engine", "to_state_dict"]
+__all__ = [
+    "FP8_FORMAT_VERSION",
+    "from_flax",
+    "from_keras",
+    "from_state_dict",
+    "from_transformer_engine",
+    "to_state_dict",
+]
 
 FP8_FORMAT_VERSION: Final = 1
 _INT32_MAX = 2**31 - 1
@@ -94,14 +101,14 @@ def _float(key: str, value: Any) -> np.float32:
     else:
         raise _bad(key, value, "a float written as hex ('0x1.8p+3'), 'inf', '-inf' or 'nan'")
     with np.errstate(over="ignore"):
-        rounded = np.float32(parsed)
+        rounded: np.float32 = np.float32(parsed)
     if not math.isnan(parsed) and float(rounded) != parsed:
         raise _bad(key, value, "a float32 value")
     return rounded
 
 
 def _count(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= _INT32_MAX:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= _INT32_MAX:
         raise _bad(key, value, f"an integer in [0, {_INT32_MAX}]")
     return int(value)
 
@@ -188,8 +195,9 @@ def from_state_dict(state_dict: Any, config: Fp8Config) -> Fp8State:
         history[k] = np.frombuffer(raw, "<f4")
         for key, array in counters.items():
             array[k] = _count(f"{where}.{key}", entry[key])
-    return Fp8State(scale, scale_inv, history, counters["filled"], counters["zero_amax"], counters["nonfinite"],
-                    np.int32(steps))
+    return Fp8State(
+        scale, scale_inv, history, counters["filled"], counters["zero_amax"], counters["nonfinite"], np.int32(steps)
+    )
 
 
 # ------------------------------------------------------------------------------ importers
@@ -232,7 +240,7 @@ def from_transformer_engine(
                 "if you trust this checkpoint"
             )
         raw = bytes(extra_state) if isinstance(extra_state, (bytes, bytearray)) else extra_state.numpy().tobytes()
-        extra_state = pickle.loads(raw)  # noqa: S301 - gated by allow_pickle
+        extra_state = pickle.loads(raw)
     if not isinstance(extra_state, dict):
         raise StateDictError(f"TE's _extra_state must be a dict; got {type(extra_state).__name__}")
     scales, histories = [], []
@@ -257,8 +265,15 @@ def from_transformer_engine(
         )
     with np.errstate(divide="ignore"):
         inverse = (np.float32(1.0) / scale).astype(np.float32)
-    state = Fp8State(scale, inverse, history, np.zeros(config.size, np.int32), np.zeros(config.size, np.int32),
-                     np.zeros(config.size, np.int32), np.int32(steps))
+    state = Fp8State(
+        scale,
+        inverse,
+        history,
+        np.zeros(config.size, np.int32),
+        np.zeros(config.size, np.int32),
+        np.zeros(config.size, np.int32),
+        np.int32(steps),
+    )
     return to_state_dict(config, state)
 
 

@@ -183,4 +183,3 @@ def slot_transition(
         nonfinite=ops.saturating_add(slot.nonfinite, nonfinite_a),
     )
     return next_slot, updated
-
