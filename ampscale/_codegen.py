@@ -284,6 +284,20 @@ def _emit(
 
 # ------------------------------------------------------------------------------ Python
 
+#: how :func:`python_transition` writes the operations every traced transition shares (the
+#: FP8 transition's emitter, :mod:`ampscale.fp8._codegen`, writes them the same way)
+PYTHON_TEMPLATES: dict[str, str] = {
+    "bool": "bool({0})",
+    "not": "(not {0})",
+    "and": "({0} and {1})",
+    "or": "({0} or {1})",
+    "where": "({1} if {0} else {2})",
+    "mod": "({0} % {1})",
+    "increment": f"({{0}} + 1 if {{0}} < {INT32_MAX} else {{0}})",
+    "decrement": f"({{0}} - 1 if {{0}} > {INT32_MIN} else {{0}})",
+    "add_flag": f"({{0}} + 1 if {{1}} and {{0}} < {INT32_MAX} else {{0}})",
+}
+
 
 def python_transition(
     config: ScalerConfig, grow: Callable[[Any], Any], shrink: Callable[[Any], Any]
@@ -307,19 +321,7 @@ def python_transition(
             return node.name
         if op in _COMPARISONS:
             return f"({args[0]} {_COMPARISONS[op]} {args[1]})"
-        templates = {
-            "bool": "bool({0})",
-            "not": "(not {0})",
-            "and": "({0} and {1})",
-            "or": "({0} or {1})",
-            "where": "({1} if {0} else {2})",
-            "mod": "({0} % {1})",
-            "increment": f"({{0}} + 1 if {{0}} < {INT32_MAX} else {{0}})",
-            "decrement": f"({{0}} - 1 if {{0}} > {INT32_MIN} else {{0}})",
-            "add_flag": f"({{0}} + 1 if {{1}} and {{0}} < {INT32_MAX} else {{0}})",
-            "grow": "_grow({0})",
-            "shrink": "_shrink({0})",
-        }
+        templates = {**PYTHON_TEMPLATES, "grow": "_grow({0})", "shrink": "_shrink({0})"}
         return templates[op].format(*args)
 
     fields = ScalerState._fields
@@ -437,6 +439,19 @@ AMPSCALE_FN int ampscale_add_flag(int v, int flag) { return (flag && v < 2147483
 """
 
 
+#: how :func:`c_transition` writes the operations every traced transition shares (``%`` apart)
+C_TEMPLATES: dict[str, str] = {
+    "bool": "({0} != 0)",
+    "not": "(!{0})",
+    "and": "({0} && {1})",
+    "or": "({0} || {1})",
+    "where": "({0} ? {1} : {2})",
+    "increment": "ampscale_increment({0})",
+    "decrement": "ampscale_decrement({0})",
+    "add_flag": "ampscale_add_flag({0}, {1})",
+}
+
+
 def _c_int(value: int) -> str:
     if not INT32_MIN <= value <= INT32_MAX:
         raise ValueError(f"integer constant {value} is outside int32")
@@ -539,18 +554,7 @@ def c_transition(config: ScalerConfig, prefix: str = "ampscale_", floor_mod: boo
             return f"({args[0]} {_COMPARISONS[op]} {args[1]})"
         if op == "mod":
             return f"ampscale_floormod({args[0]}, {args[1]})" if floor_mod else f"({args[0]} % {args[1]})"
-        templates = {
-            "bool": "({0} != 0)",
-            "not": "(!{0})",
-            "and": "({0} && {1})",
-            "or": "({0} || {1})",
-            "where": "({0} ? {1} : {2})",
-            "increment": "ampscale_increment({0})",
-            "decrement": "ampscale_decrement({0})",
-            "add_flag": "ampscale_add_flag({0}, {1})",
-            "grow": f"{p}grow({{0}})",
-            "shrink": f"{p}shrink({{0}})",
-        }
+        templates = {**C_TEMPLATES, "grow": f"{p}grow({{0}})", "shrink": f"{p}shrink({{0}})"}
         return templates[op].format(*args)
 
     bound, returned = _emit(outputs, render)

@@ -1,0 +1,320 @@
+"""The FP8 scaler: a thin immutable wrapper over an :class:`Fp8Config` and an :class:`Fp8State`.
+
+``update`` runs :func:`~ampscale.fp8._transition.slot_transition` once over every slot, with the
+operations of the framework that holds the state (NumPy, JAX, torch, CuPy): no host read, so it
+runs inside ``jax.jit`` / ``lax.scan`` / ``vmap`` and asynchronously on GPUs. Only the methods
+whose names end in ``_sync`` (and ``state_dict``) read values back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ampscale._config import INT32_MAX
+from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._config import Fp8Config, make_fp8_config
+from ampscale.fp8._ops import Fp8ArrayOps, framework_of
+from ampscale.fp8._transition import Fp8Slot, Fp8State, initial_state_values, slot_transition
+
+__all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
+
+BACKENDS = ("numpy", "jax", "torch", "cupy")
+
+
+@functools.lru_cache(maxsize=64)
+def _ops(config: Fp8Config, framework: str, device: Any) -> Fp8ArrayOps:
+    return Fp8ArrayOps(framework, device=device, slot_max=config.slot_max)
+
+
+def _device_of(array: Any, framework: str) -> Any:
+    return array.device if framework == "torch" else None
+
+
+def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) -> Fp8State:
+    """The initial state of ``config`` as arrays of ``backend`` (on ``device`` for torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
+    if backend == "jax":
+        ensure_jax_pytree()
+    ops = Fp8ArrayOps(backend, device=device)
+    values = initial_state_values(config)
+    n, length = config.size, config.history_len
+    return Fp8State(
+        scale=ops.new_array([values["scale"]] * n, "float32"),
+        scale_inv=ops.new_array([values["scale_inv"]] * n, "float32"),
+        history=ops.new_array([[values["history"]] * length for _ in range(n)], "float32"),
+        filled=ops.new_array([0] * n, "int32"),
+        zero_amax=ops.new_array([0] * n, "int32"),
+        nonfinite=ops.new_array([0] * n, "int32"),
+        steps=ops.new_array(0, "int32"),
+    )
+
+
+def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
+    """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
+
+    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step.
+    """
+    framework = framework_of(state.scale)
+    ops = _ops(config, framework, _device_of(state.scale, framework))
+    slot = Fp8Slot(state.scale, state.scale_inv, state.history, state.filled, state.zero_amax, state.nonfinite)
+    fp8_max = ops.array(list(config.slot_max), "float32")
+    next_slot, updated = slot_transition(config, slot, amax, fp8_max, step_ok, ops)
+    every_slot = next_slot.filled >= 0  # [N] true: a per-step flag as one per slot
+    updated = every_slot if updated is True else every_slot & updated
+    steps = state.steps + ops._to_int(state.steps < INT32_MAX)
+    return Fp8State(*next_slot, steps=steps), updated
+
+
+class Fp8Scaler:
+    """Per-tensor FP8 scales for ``N`` slots, with the history and rules of one preset.
+
+    Immutable: :meth:`update` returns the next scaler. Build one with :func:`create_fp8_scaler`.
+
+    Attributes:
+        config: the static settings (a hashable :class:`Fp8Config`).
+        state: the arrays (a :class:`Fp8State`).
+    """
+
+    __slots__ = ("config", "state")
+
+    def __init__(self, config: Fp8Config, state: Fp8State) -> None:
+        self.config = config
+        self.state = state
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"Fp8Scaler(preset={c.preset!r}, slots={len(c.slots)}, history_len={c.history_len})"
+
+    @property
+    def framework(self) -> str:
+        """The framework holding the state."""
+        return framework_of(self.state.scale)
+
+    def index(self, slot: str | int) -> int:
+        """The position of ``slot`` (a name or a position).
+
+        Raises:
+            KeyError: an unknown slot (the message lists the slots).
+        """
+        names = self.config.slots
+        if isinstance(slot, int) and not isinstance(slot, bool):
+            if 0 <= slot < len(names):
+                return slot
+        elif isinstance(slot, str) and slot in names:
+            return names.index(slot)
+        raise KeyError(f"slot must be one of {list(names)} (or a position 0 to {len(names) - 1}); got {slot!r}")
+
+    def format_of(self, slot: str | int) -> str:
+        """The FP8 format of ``slot``."""
+        return self.config.slot_formats[self.index(slot)]
+
+    # ------------------------------------------------------------------ the update
+
+    def _amax_vector(self, amax: Any) -> Any:
+        """``amax`` as an ``[N]`` float32 array of the state's framework, checked before use."""
+        c = self.config
+        framework = self.framework
+        ops = _ops(c, framework, _device_of(self.state.scale, framework))
+        if isinstance(amax, Mapping):
+            unknown = [k for k in amax if k not in c.slots]
+            if unknown:
+                raise KeyError(f"amax has unknown slot(s) {unknown}; the slots are {list(c.slots)}")
+            missing = [k for k in c.slots if k not in amax]
+            if missing:
+                raise ValueError(f"amax misses slot(s) {missing}: give every slot's amax (0 if it did not run)")
+            amax = [amax[k] for k in c.slots]
+        if isinstance(amax, Sequence) and not hasattr(amax, "shape"):
+            if len(amax) != c.size:
+                raise ValueError(f"amax must hold {c.size} values (one per slot); got {len(amax)}")
+            parts = [self._scalar(a, ops, framework) for a in amax]
+            return ops.xp.stack(parts)
+        shape = tuple(getattr(amax, "shape", ()))
+        if shape != (c.size,):
+            raise ValueError(f"amax must have shape ({c.size},) (one value per slot); got shape {shape}")
+        if framework_of(amax) != framework:
+            raise TypeError(f"amax must be a {framework} array like the state; got {type(amax).__name__}")
+        return self._as_f32(amax, framework)
+
+    @staticmethod
+    def _as_f32(a: Any, framework: str) -> Any:
+        if framework == "torch":
+            import torch
+
+            return a.to(torch.float32)
+        return a.astype(np.float32) if framework != "jax" else a.astype("float32")
+
+    def _scalar(self, a: Any, ops: Fp8ArrayOps, framework: str) -> Any:
+        if hasattr(a, "shape"):
+            if tuple(a.shape) not in ((), (1,)):
+                raise ValueError(f"each amax must be a scalar; got shape {tuple(a.shape)}")
+            return self._as_f32(a.reshape(()), framework)
+        if isinstance(a, bool) or not isinstance(a, (int, float, np.floating, np.integer)):
+            raise TypeError(f"each amax must be a number or a 0-d array; got {type(a).__name__}")
+        if framework == "torch":
+            return ops.xp.tensor(float(a), dtype=ops.xp.float32, device=ops.device)
+        return ops.xp.asarray(float(a), dtype=ops.xp.float32)
+
+    def update(self, amax: Any, step_ok: Any = True) -> Fp8Scaler:
+        """The scaler after one optimizer step whose amaxes were ``amax``.
+
+        Args:
+            amax: ``[N]`` float32 array of the state's framework (max over micro-batches and
+                ranks: see :func:`ampscale.fp8.combine_amax` and :func:`ampscale.fp8.reduce_amax`),
+                a list of N values, or a dict slot -> value.
+            step_ok: whether the loss scaler applied this step (a bool or 0-d bool array; the
+                ``finite`` of ``Scaler.unscale``). With ``on_skipped_step="freeze"`` a skipped
+                step changes no scale and no history.
+
+        Raises:
+            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots;
+                nothing is changed.
+        """
+        vector = self._amax_vector(amax)
+        state, _updated = update_state(self.config, self.state, vector, step_ok)
+        return Fp8Scaler(self.config, state)
+
+    # ------------------------------------------------------------------ casts
+
+    def scale(self, slot: str | int) -> Any:
+        """The quantization scale of ``slot`` (a 0-d array on the state's device)."""
+        return self.state.scale[self.index(slot)]
+
+    def scale_inv(self, slot: str | int) -> Any:
+        """The dequantization scale of ``slot`` (a 0-d array)."""
+        return self.state.scale_inv[self.index(slot)]
+
+    def quantize(self, x: Any, slot: str | int) -> tuple[Any, Any, Any]:
+        """``(q, scale_inv, amax)``: ``x`` saturated into ``slot``'s format, the scale to
+        dequantize it with, and ``max(|x|)`` for the next :meth:`update`. Changes no state."""
+        k = self.index(slot)
+        fmt = self.config.slot_formats[k]
+        if self.config.storage == "inverse":
+            q = quantize(x, self.state.scale_inv[k], fmt, divide=True)
+        else:
+            q = quantize(x, self.state.scale[k], fmt)
+        return q, self.state.scale_inv[k], tensor_amax(x)
+
+    def dequantize(self, q: Any, slot: str | int, dtype: Any = None) -> Any:
+        """``q * scale_inv`` of ``slot``."""
+        return dequantize(q, self.state.scale_inv[self.index(slot)], dtype)
+
+    def qdq(self, x: Any, slot: str | int) -> Any:
+        """Fake quantization of ``x`` with ``slot``'s scales, in ``x``'s dtype."""
+        k = self.index(slot)
+        return quantize_dequantize(
+            x,
+            self.state.scale[k],
+            self.state.scale_inv[k],
+            self.config.slot_formats[k],
+            divide=self.config.storage == "inverse",
+        )
+
+    # ------------------------------------------------------------------ host reads
+
+    def scales_sync(self) -> dict[str, float]:
+        """Every slot's scale as a Python float (an explicit host read)."""
+        values = np.asarray(_to_host(self.state.scale))
+        return {name: float(v) for name, v in zip(self.config.slots, values.tolist(), strict=True)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The versioned, JSON-serialisable checkpoint (see :mod:`ampscale.fp8._state_dict`)."""
+        from ampscale.fp8._state_dict import to_state_dict
+
+        return to_state_dict(self.config, host_state(self.state))
+
+    def load_state_dict(self, state_dict: Any) -> Fp8Scaler:
+        """A scaler with the state of ``state_dict``, on this scaler's framework and device.
+
+        Raises:
+            ampscale.StateDictError: the dict is malformed, or its recipe differs from this
+                scaler's (the message names every setting that differs); nothing is loaded.
+        """
+        from ampscale.fp8._state_dict import from_state_dict
+
+        host = from_state_dict(state_dict, self.config)
+        return Fp8Scaler(self.config, to_framework(host, self.framework, _device_of(self.state.scale, self.framework)))
+
+
+def _to_host(array: Any) -> Any:
+    framework = framework_of(array)
+    if framework == "torch":
+        return array.detach().cpu().numpy()
+    if framework == "cupy":
+        return array.get()
+    return np.asarray(array)
+
+
+def host_state(state: Fp8State) -> Fp8State:
+    """``state`` as NumPy arrays (a host read)."""
+    return Fp8State(*(_to_host(field) for field in state))
+
+
+def to_framework(state: Fp8State, framework: str, device: Any = None) -> Fp8State:
+    """NumPy ``state`` as arrays of ``framework`` (on ``device`` for torch)."""
+    if framework == "numpy":
+        return Fp8State(*(np.array(f) for f in state))
+    if framework == "torch":
+        import torch
+
+        return Fp8State(*(torch.from_numpy(np.array(f)).to(device) for f in state))
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        ensure_jax_pytree()
+        return Fp8State(*(jnp.asarray(f) for f in state))
+    import cupy
+
+    return Fp8State(*(cupy.asarray(f) for f in state))
+
+
+def create_fp8_scaler(
+    preset: str = "ampscale", slots: Any = 1, backend: str = "numpy", device: Any = None, **settings: Any
+) -> Fp8Scaler:
+    """A new FP8 scaler.
+
+    Args:
+        preset: whose recipe to reproduce (see :data:`ampscale.fp8.FP8_PRESETS`).
+        slots: the tensors: an int, a list of names (forward tensors), or a dict name ->
+            ``"forward"`` / ``"backward"`` (the role picks the format of ``formats``).
+        backend: ``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``.
+        device: the torch device of the state (``None``: the CPU).
+        **settings: any setting of :mod:`ampscale.fp8._config` (``history_len``, ``margin``,
+            ``formats``, ...), read in the preset's terms.
+
+    Example:
+        >>> import numpy as np, ampscale.fp8 as fp8
+        >>> f8 = fp8.create_fp8_scaler("te_delayed", slots=["fc1.x"], history_len=4)
+        >>> f8 = f8.update(np.array([2.0], np.float32))
+        >>> f8.scales_sync()
+        {'fc1.x': 224.0}
+    """
+    config = make_fp8_config(preset, slots, **settings)
+    return Fp8Scaler(config, init_state(config, backend, device))
+
+
+def _register_jax() -> None:
+    try:
+        import jax
+    except ImportError:  # pragma: no cover - only without JAX
+        return
+    jax.tree_util.register_pytree_node(
+        Fp8Scaler,
+        lambda s: ((s.state,), s.config),
+        lambda config, children: Fp8Scaler(config, children[0]),
+    )
+
+
+_jax_registered = False
+
+
+def ensure_jax_pytree() -> None:
+    """Register :class:`Fp8Scaler` as a JAX pytree (state leaves, config static), once."""
+    global _jax_registered
+    if not _jax_registered:
+        _register_jax()
+        _jax_registered = True

@@ -1,0 +1,129 @@
+"""FP8 checkpoints: JSON round trips across backends, recipe diffs, TE / flax / Keras imports,
+and bad input that is refused with nothing changed."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import ampscale
+import ampscale.fp8 as fp8
+from ampscale.fp8._state_dict import from_flax, from_keras, from_transformer_engine
+from tests import fp8_anchors as anchors
+
+SLOTS = {"x": "forward", "dy": "backward"}
+STREAM = [[3.0, 7.0], [0.0, np.inf], [np.nan, 1e-40], [100.0, 5.0], [0.5, 0.0]]
+
+
+def run(f8, stream):
+    for amax in stream:
+        f8 = f8.update(amax if hasattr(amax, "detach") else np.asarray(amax, np.float32))
+    return f8
+
+
+def fields(f8):
+    return [np.asarray(f.detach().numpy() if hasattr(f, "detach") else f) for f in f8.state]
+
+
+def test_json_round_trip_continues_the_trajectory_on_another_backend():
+    torch = pytest.importorskip("torch")
+    f8 = run(fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4), STREAM[:3])
+    saved = json.loads(json.dumps(f8.state_dict()))
+    restored = fp8.create_fp8_scaler("te_delayed", SLOTS, backend="torch", history_len=4).load_state_dict(saved)
+    a = run(f8, STREAM[3:])
+    b = run(restored, [torch.tensor(x, dtype=torch.float32) for x in STREAM[3:]])
+    for x, y in zip(fields(a), fields(b), strict=True):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_a_recipe_that_differs_is_named():
+    saved = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4, margin=1).state_dict()
+    other = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4)
+    with pytest.raises(ampscale.StateDictError, match=r"margin: saved 1, this scaler 0"):
+        other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["ampscale_fp8"].update(version=99), "newer"),
+        (lambda d: d["ampscale_fp8"]["slots"][0].update(scale="0x1.8p+"), "hex"),
+        (lambda d: d["ampscale_fp8"]["slots"][0].update(history="AAAA"), "base64 of 4"),
+        (lambda d: d["ampscale_fp8"]["slots"][1].update(filled=-1), "filled"),
+        (lambda d: d["ampscale_fp8"].update(extra=1), "unknown"),
+    ],
+)
+def test_bad_checkpoints_are_refused(edit, message):
+    f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4)
+    saved = f8.state_dict()
+    edit(saved)
+    with pytest.raises(ampscale.StateDictError, match=message):
+        f8.load_state_dict(saved)
+
+
+def test_transformer_engine_extra_state_imports_and_continues_as_te():
+    """A TE ``_extra_state`` dict (TE's layout: [L, N], row 0 the current amax) built from the
+    fused-kernel transcription, imported, then driven on: the scales equal TE's, step by step."""
+    length = 4
+    stream = [3.0, 0.0, 7.0, 1e-40, 100.0, np.inf, 0.5, 2.0]
+    fwd = anchors.te_fused_run(stream, 448.0, length, "max", 0)
+    bwd = anchors.te_fused_run(stream, 57344.0, length, "max", 0)
+    cut = 5
+    extra = {
+        "scale_fwd": np.float32([fwd[cut - 1][0]]),
+        "amax_history_fwd": fwd[cut - 1][1][:, None],
+        "scale_bwd": np.float32([bwd[cut - 1][0]]),
+        "amax_history_bwd": bwd[cut - 1][1][:, None],
+    }
+    f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=length)
+    with pytest.raises(ampscale.StateDictError, match="allow_pickle"):
+        from_transformer_engine(pickle.dumps(extra), f8.config)
+    f8 = f8.load_state_dict(from_transformer_engine(pickle.dumps(extra), f8.config, allow_pickle=True))
+    for t in range(cut, len(stream)):
+        f8 = f8.update(np.float32([stream[t], stream[t]]))
+        assert f8.scales_sync() == {"x": fwd[t][0], "dy": bwd[t][0]}
+
+
+def test_flax_and_keras_variables_import():
+    pytest.importorskip("flax")
+    stream = [3.0, 100.0, 0.0, 7.0]
+    flax = anchors.flax_run([*stream, 1.0], "e4m3fn", 3)
+    config = fp8.make_fp8_config("flax", {"x": "forward"}, history_len=3)
+    scale, history = flax[len(stream) - 1]
+    f8 = fp8.Fp8Scaler(config, fp8.init_state(config)).load_state_dict(
+        from_flax({"x": (np.float32([scale]), history)}, config)
+    )
+    assert float(f8.state.scale_inv[0]) == flax[len(stream)][0]  # the scale flax computes next
+    keras_config = fp8.make_fp8_config("keras", {"x": "forward"}, history_len=3)
+    loaded = from_keras({"x": {"scale": np.float32([scale]), "amax_history": history}}, keras_config)
+    assert loaded["ampscale_fp8"]["slots"][0]["scale_inv"] == float(np.float32(scale)).hex()
+
+
+def test_bad_update_input_changes_nothing():
+    f8 = fp8.create_fp8_scaler("ampscale", SLOTS, history_len=2)
+    before = [f.copy() for f in fields(f8)]
+    with pytest.raises(ValueError, match=r"amax must have shape \(2,\).*got shape \(3,\)"):
+        f8.update(np.float32([1.0, 2.0, 3.0]))
+    with pytest.raises(KeyError, match="unknown slot"):
+        f8.update({"x": 1.0, "dy": 1.0, "nope": 2.0})
+    with pytest.raises(KeyError, match="slot must be one of"):
+        f8.scale("nope")
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, fields(f8), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"history_len": 0}, "'history_len' must be an integer from 1"),
+        ({"formats": "e4m3"}, "'formats' must be one of"),
+        ({"margin": 0.5}, "'margin' must be an integer"),
+        ({"preset": "te"}, "'preset' must be one of"),
+    ],
+)
+def test_bad_settings_name_the_setting(settings, message):
+    preset = settings.pop("preset", "te_delayed")
+    with pytest.raises(ValueError, match=message):
+        fp8.create_fp8_scaler(preset, SLOTS, **settings)
