@@ -18,10 +18,24 @@ PACKAGE = ROOT / "ampscale"
 
 #: the layers, lowest first: (name, the modules in it; a name ending in ".*" takes a whole subpackage)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("ampscale._errors", "ampscale._config", "ampscale._tree", "ampscale._version")),
-    ("state machine", ("ampscale._core",)),
+    (
+        "foundation",
+        ("ampscale._errors", "ampscale._config", "ampscale._tree", "ampscale._version", "ampscale.fp8._config"),
+    ),
+    ("state machine", ("ampscale._core", "ampscale.fp8._transition")),
     ("code generator", ("ampscale._codegen",)),
-    ("host operations and checkpoints", ("ampscale._ops", "ampscale._state_dict")),
+    (
+        "host operations and checkpoints",
+        (
+            "ampscale._ops",
+            "ampscale._state_dict",
+            "ampscale.fp8._ops",
+            "ampscale.fp8._cast",
+            "ampscale.fp8._codegen",
+            "ampscale.fp8._update",
+            "ampscale.fp8._state_dict",
+        ),
+    ),
     ("native code", ("ampscale._native", "ampscale._native.*")),
     ("adapter protocol", ("ampscale.backends._base",)),
     (
@@ -37,9 +51,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("backend registry", ("ampscale.backends",)),
-    ("scaler", ("ampscale._scaler",)),
+    ("scaler", ("ampscale._scaler", "ampscale.fp8._scaler")),
     ("diagnostics", ("ampscale._diagnostics",)),
-    ("package", ("ampscale", "ampscale._info")),
+    ("package", ("ampscale", "ampscale._info", "ampscale.fp8")),
     (
         "framework helpers",
         (

@@ -8,30 +8,20 @@ whose names end in ``_sync`` (and ``state_dict``) read values back to the host.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ampscale._config import INT32_MAX
 from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of
-from ampscale.fp8._transition import Fp8Slot, Fp8State, initial_state_values, slot_transition
+from ampscale.fp8._transition import Fp8State, initial_state_values
+from ampscale.fp8._update import device_of, ops_for, update_state
 
 __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
 
 BACKENDS = ("numpy", "jax", "torch", "cupy")
-
-
-@functools.lru_cache(maxsize=64)
-def _ops(config: Fp8Config, framework: str, device: Any) -> Fp8ArrayOps:
-    return Fp8ArrayOps(framework, device=device, slot_max=config.slot_max)
-
-
-def _device_of(array: Any, framework: str) -> Any:
-    return array.device if framework == "torch" else None
 
 
 def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) -> Fp8State:
@@ -52,22 +42,6 @@ def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) ->
         nonfinite=ops.new_array([0] * n, "int32"),
         steps=ops.new_array(0, "int32"),
     )
-
-
-def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
-    """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
-
-    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step.
-    """
-    framework = framework_of(state.scale)
-    ops = _ops(config, framework, _device_of(state.scale, framework))
-    slot = Fp8Slot(state.scale, state.scale_inv, state.history, state.filled, state.zero_amax, state.nonfinite)
-    fp8_max = ops.array(list(config.slot_max), "float32")
-    next_slot, updated = slot_transition(config, slot, amax, fp8_max, step_ok, ops)
-    every_slot = next_slot.filled >= 0  # [N] true: a per-step flag as one per slot
-    updated = every_slot if updated is True else every_slot & updated
-    steps = state.steps + ops._to_int(state.steps < INT32_MAX)
-    return Fp8State(*next_slot, steps=steps), updated
 
 
 class Fp8Scaler:
@@ -119,7 +93,7 @@ class Fp8Scaler:
         """``amax`` as an ``[N]`` float32 array of the state's framework, checked before use."""
         c = self.config
         framework = self.framework
-        ops = _ops(c, framework, _device_of(self.state.scale, framework))
+        ops = ops_for(c, framework, device_of(self.state.scale, framework))
         if isinstance(amax, Mapping):
             unknown = [k for k in amax if k not in c.slots]
             if unknown:
@@ -237,7 +211,7 @@ class Fp8Scaler:
         from ampscale.fp8._state_dict import from_state_dict
 
         host = from_state_dict(state_dict, self.config)
-        return Fp8Scaler(self.config, to_framework(host, self.framework, _device_of(self.state.scale, self.framework)))
+        return Fp8Scaler(self.config, to_framework(host, self.framework, device_of(self.state.scale, self.framework)))
 
 
 def _to_host(array: Any) -> Any:

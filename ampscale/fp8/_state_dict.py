@@ -31,6 +31,7 @@ import numpy as np
 from ampscale._errors import StateDictError
 from ampscale.fp8._config import FP8_PRESETS, SETTINGS_ORDER, Fp8Config
 from ampscale.fp8._transition import Fp8State
+from ampscale.fp8._update import update_state
 
 __all__ = [
     "FP8_FORMAT_VERSION",
@@ -287,8 +288,6 @@ def _from_inverse(
     config: Fp8Config, inverse: dict[str, tuple[Any, Any]], recompute: bool, steps: int
 ) -> dict[str, Any]:
     """flax / Keras variables ``{slot: (dequant scale, history with the newest at 0)}``."""
-    from ampscale.fp8._scaler import update_state
-
     missing = [name for name in config.slots if name not in inverse]
     if missing:
         raise StateDictError(f"the variables miss slot(s) {missing}; got {sorted(inverse)}")
