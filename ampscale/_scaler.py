@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
-from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
-from ampscale.backends._base import when_adapter_ready
+from ampscale.backends._base import name_leaves, when_adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,7 +98,9 @@ class Scaler:
         1024.0
     """
 
-    __slots__ = ("_backend", "_config", "_scale_floor", "_state")
+    __slots__ = ("_backend", "_config", "_consumed_flag", "_scale_floor", "_state", "_unscaled_flag")
+    _consumed_flag: Any
+    _unscaled_flag: Any
     _config: ScalerConfig
     _state: Any  # a ScalerState, or a backend's packed form of one (see Backend.pack)
     _backend: Backend | None
@@ -114,6 +116,11 @@ class Scaler:
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_scale_floor", scale_floor)
+        # the flag this scaler's latest unscale() returned, and the one the update() that made
+        # this scaler consumed, if it came from its predecessor's unscale(): not part of the
+        # state, only to refuse an update() given the same step's flag twice (by identity)
+        object.__setattr__(self, "_unscaled_flag", None)
+        object.__setattr__(self, "_consumed_flag", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Scaler is immutable; use update(), step() or replace() ({name!r})")
@@ -261,13 +268,34 @@ class Scaler:
 
     def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
         """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss."""
-        config = self._config
         backend = self._backend
         if backend is None:
             probe = _probe_leaves(grads)
             backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
         leaves, spec = backend.flatten(grads)
-        backend.validate(leaves, spec)
+        try:
+            out = self._unscale_leaves(backend, grads, leaves, spec, loss, axis_name, underflow)
+        except Exception as exc:  # an error naming leaves by index: name them by path too
+            name_leaves(exc, lambda: backend.leaf_paths(spec))
+            raise
+        object.__setattr__(self, "_unscaled_flag", out[1])
+        object.__setattr__(self, "_consumed_flag", None)
+        return out
+
+    def _unscale_leaves(
+        self, backend: Backend, grads: Any, leaves: list[Any], spec: Any, loss: Any, axis_name: Any, underflow: bool
+    ) -> tuple[Any, Any, Any, Backend]:
+        config = self._config
+        dtypes = backend.validate(leaves, spec)
+        if not leaves and _holds_none(grads):
+            warnings.warn(
+                "every gradient in the tree is None (no array at all): was backward() not called, or were "
+                "the gradients cleared before unscale? The step counts as finite and updates nothing",
+                AmpscaleWarning,
+                stacklevel=4,
+            )
+        elif dtypes and not _HALF_KEPT_WARNED[0] and config.grad_dtype == "keep" and config.scales:
+            _warn_if_half_kept(backend, dtypes)
         if loss is not None:
             _check_loss_is_array(loss)
             backend.validate((loss,), None, "loss")
@@ -323,6 +351,13 @@ class Scaler:
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
         _check_flag(finite, "finite")
+        if finite is self._consumed_flag:
+            raise ValueError(
+                "update() was given the flag that the update() which made this scaler already counted (the "
+                "same object, returned by the same unscale()): that step would count twice (two steps, a "
+                "second backoff or an early growth). Call unscale() (or step()) once per step, and update() "
+                "once with its flag; this scaler is unchanged"
+            )
         if loss_finite is not None:
             _check_flag(loss_finite, "loss_finite")
         return self._update(backend, finite, loss_finite)
@@ -338,7 +373,7 @@ class Scaler:
             if floor_event and config.on_floor != "ignore":
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))
-            return Scaler(config, new_state, backend)
+            return self._successor(Scaler(config, new_state, backend), finite)
         new_state, new_fields, floor_event = backend.run_transition(config, state, finite, loss_finite, ops)
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
@@ -346,7 +381,13 @@ class Scaler:
                 backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
-        return Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
+        return self._successor(Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint())), finite)
+
+    def _successor(self, nxt: Scaler, finite: Any) -> Scaler:
+        """``nxt``, told which flag made it when that flag came from this scaler's own unscale()."""
+        if finite is self._unscaled_flag and not isinstance(finite, bool):
+            object.__setattr__(nxt, "_consumed_flag", finite)
+        return nxt
 
     def _react_to_floor_traced(self, floor_event: Any, *values: Any) -> None:
         if bool(floor_event):
@@ -543,6 +584,55 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
+
+
+def _holds_none(tree: Any) -> bool:
+    """Whether a tree with no array leaf holds a ``None`` (a gradient never computed)."""
+    if tree is None:
+        return True
+    if isinstance(tree, dict):
+        return any(_holds_none(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_none(item) for item in tree)
+    return False
+
+
+#: whether the float16-kept warning was shown in this process (a list: set in place)
+_HALF_KEPT_WARNED = [False]
+#: dtype -> whether unscaling it in its own dtype loses small gradients to underflow
+_narrow_dtypes: dict[Any, bool] = {}
+
+
+def _warn_if_half_kept(backend: Backend, dtypes: set[Any]) -> None:
+    """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
+
+    torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
+    returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses bits.
+    """
+    for dtype in dtypes:
+        narrow = _narrow_dtypes.get(dtype)
+        if narrow is None:
+            if len(_narrow_dtypes) > 64:
+                _narrow_dtypes.clear()
+            narrow = _narrow_dtypes[dtype] = _dtype_name(dtype) == "float16" or _dtype_name(dtype).startswith("float8")
+        if narrow:
+            _HALF_KEPT_WARNED[0] = True
+            name = _dtype_name(dtype)
+            warnings.warn(
+                f"{name} gradients are unscaled in {name} on the {backend.name} backend "
+                "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is 0 "
+                "and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
+                "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
+                "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
+                "gradients (master weights). Shown once per process.",
+                AmpscaleWarning,
+                stacklevel=5,
+            )
+            return
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(getattr(dtype, "name", dtype)).replace("torch.", "")
 
 
 def _check_loss_is_array(loss: Any) -> None:
@@ -744,10 +834,14 @@ def all_finite(tree: Any, *, backend: Any = None) -> Any:
     else:
         resolved = backend_of_leaves(_probe_leaves(tree), "leaves") or get_backend("numpy")
     leaves, spec = resolved.flatten(tree)
-    resolved.validate(leaves, spec, "leaf")
-    if not leaves:
-        return resolved.as_bool(True)
-    return resolved.all_finite(leaves)
+    try:
+        resolved.validate(leaves, spec, "leaf")
+        if not leaves:
+            return resolved.as_bool(True)
+        return resolved.all_finite(leaves)
+    except Exception as exc:  # an error naming leaves by index: name them by path too
+        name_leaves(exc, lambda: resolved.leaf_paths(spec))
+        raise
 
 
 def register_with_jax() -> None:
