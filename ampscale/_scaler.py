@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -98,9 +99,10 @@ class Scaler:
         1024.0
     """
 
-    __slots__ = ("_backend", "_config", "_consumed_flag", "_scale_floor", "_state", "_unscaled_flag")
-    _consumed_flag: Any
-    _unscaled_flag: Any
+    __slots__ = ("_backend", "_config", "_flags", "_scale_floor", "_state")
+    #: ``(flag the latest unscale() returned, flag the update() that made this scaler consumed)``
+    #: or ``None``: not part of the state, only to refuse an update() given one step's flag twice
+    _flags: tuple[Any, Any] | None
     _config: ScalerConfig
     _state: Any  # a ScalerState, or a backend's packed form of one (see Backend.pack)
     _backend: Backend | None
@@ -116,11 +118,7 @@ class Scaler:
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_scale_floor", scale_floor)
-        # the flag this scaler's latest unscale() returned, and the one the update() that made
-        # this scaler consumed, if it came from its predecessor's unscale(): not part of the
-        # state, only to refuse an update() given the same step's flag twice (by identity)
-        object.__setattr__(self, "_unscaled_flag", None)
-        object.__setattr__(self, "_consumed_flag", None)
+        _set_flags(self, None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Scaler is immutable; use update(), step() or replace() ({name!r})")
@@ -268,71 +266,66 @@ class Scaler:
 
     def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
         """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss."""
+        config = self._config
         backend = self._backend
         if backend is None:
             probe = _probe_leaves(grads)
             backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
         leaves, spec = backend.flatten(grads)
         try:
-            out = self._unscale_leaves(backend, grads, leaves, spec, loss, axis_name, underflow)
-        except Exception as exc:  # an error naming leaves by index: name them by path too
-            name_leaves(exc, lambda: backend.leaf_paths(spec))
-            raise
-        object.__setattr__(self, "_unscaled_flag", out[1])
-        object.__setattr__(self, "_consumed_flag", None)
-        return out
-
-    def _unscale_leaves(
-        self, backend: Backend, grads: Any, leaves: list[Any], spec: Any, loss: Any, axis_name: Any, underflow: bool
-    ) -> tuple[Any, Any, Any, Backend]:
-        config = self._config
-        dtypes = backend.validate(leaves, spec)
-        if not leaves and _holds_none(grads):
-            warnings.warn(
-                "every gradient in the tree is None (no array at all): was backward() not called, or were "
-                "the gradients cleared before unscale? The step counts as finite and updates nothing",
-                AmpscaleWarning,
-                stacklevel=4,
-            )
-        elif dtypes and not _HALF_KEPT_WARNED[0] and config.grad_dtype == "keep" and config.scales:
-            _warn_if_half_kept(backend, dtypes)
-        if loss is not None:
-            _check_loss_is_array(loss)
-            backend.validate((loss,), None, "loss")
-        like = leaves[0] if leaves else loss
-        state = self._state_on(backend, like)
-        group = config.axis_name if isinstance(axis_name, _Default) else axis_name
-        if group is None and not underflow and leaves:
-            # CUDA: check, unscale and the state transition in one launch (or two on torch)
-            fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
-            if fused is not None:
-                new_leaves, finite, loss_finite = fused
-                return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
-        inv = backend.inverse_of(state) if config.scales else None
-        fraction = None
-        count = underflow
-        if config.grad_dtype == "promote" and leaves:
-            if count:  # tiny values are counted in the gradients' own dtypes, before promotion
-                fraction = backend.check_unscale_and_count(leaves, None)[2]
-                count = False
-            leaves = backend.promote(leaves)
-        if not leaves:
-            new_leaves, finite = leaves, backend.as_bool(True, like)
-        elif count:
-            new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
-        else:
-            new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
-        loss_finite = None if loss is None else backend.all_finite([loss])
-        if group is not None:
-            finite = backend.agree(finite, group)
+            dtypes = backend.validate(leaves, spec)
+            if not leaves:
+                if _holds_none(grads):
+                    warnings.warn(
+                        "every gradient in the tree is None (no array at all): was backward() not called, or "
+                        "were the gradients cleared before unscale? The step counts as finite and updates nothing",
+                        AmpscaleWarning,
+                        stacklevel=3,
+                    )
+            elif not _HALF_KEPT_WARNED and dtypes is not None and not dtypes <= _WIDE_DTYPES:
+                _warn_if_half_kept(config, backend, dtypes)
+            if loss is not None:
+                _check_loss_is_array(loss)
+                backend.validate((loss,), None, "loss")
+            like = leaves[0] if leaves else loss
+            state = self._state_on(backend, like)
+            group = config.axis_name if isinstance(axis_name, _Default) else axis_name
+            if group is None and not underflow and leaves:
+                # CUDA: check, unscale and the state transition in one launch (or two on torch)
+                fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
+                if fused is not None:
+                    new_leaves, finite, loss_finite = fused
+                    _set_flags(self, (finite, None))  # see update()
+                    return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
+            inv = backend.inverse_of(state) if config.scales else None
+            fraction = None
+            count = underflow
+            if config.grad_dtype == "promote" and leaves:
+                if count:  # tiny values are counted in the gradients' own dtypes, before promotion
+                    fraction = backend.check_unscale_and_count(leaves, None)[2]
+                    count = False
+                leaves = backend.promote(leaves)
+            if not leaves:
+                new_leaves, finite = leaves, backend.as_bool(True, like)
+            elif count:
+                new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
+            else:
+                new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
+            loss_finite = None if loss is None else backend.all_finite([loss])
+            if group is not None:
+                finite = backend.agree(finite, group)
+                if loss_finite is not None:
+                    loss_finite = backend.agree(loss_finite, group)
+            tree = backend.unflatten(spec, new_leaves)
+            if underflow:
+                tree = (tree, 0.0 if fraction is None else fraction)
             if loss_finite is not None:
-                loss_finite = backend.agree(loss_finite, group)
-        tree = backend.unflatten(spec, new_leaves)
-        if underflow:
-            tree = (tree, 0.0 if fraction is None else fraction)
-        if loss_finite is not None:
-            finite = backend.logical_and(finite, loss_finite)
-        return tree, finite, loss_finite, backend
+                finite = backend.logical_and(finite, loss_finite)
+            _set_flags(self, (finite, None))  # see update()
+            return tree, finite, loss_finite, backend
+        except Exception as exc:  # an error naming leaves by index: name them by path too
+            name_leaves(exc, functools.partial(backend.leaf_paths, spec))  # (a closure would slow the call)
+            raise
 
     def update(self, finite: Any, *, loss_finite: Any = None) -> Scaler:
         """Return the scaler for the next step, given whether this step was finite.
@@ -351,7 +344,8 @@ class Scaler:
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
         _check_flag(finite, "finite")
-        if finite is self._consumed_flag:
+        flags = self._flags
+        if flags is not None and finite is flags[1]:
             raise ValueError(
                 "update() was given the flag that the update() which made this scaler already counted (the "
                 "same object, returned by the same unscale()): that step would count twice (two steps, a "
@@ -373,7 +367,11 @@ class Scaler:
             if floor_event and config.on_floor != "ignore":
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))
-            return self._successor(Scaler(config, new_state, backend), finite)
+            nxt = Scaler(config, new_state, backend)
+            flags = self._flags
+            if flags is not None and finite is flags[0]:  # (unscale never returns a Python bool)
+                _set_flags(nxt, (None, finite))  # see update()
+            return nxt
         new_state, new_fields, floor_event = backend.run_transition(config, state, finite, loss_finite, ops)
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
@@ -381,12 +379,10 @@ class Scaler:
                 backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
-        return self._successor(Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint())), finite)
-
-    def _successor(self, nxt: Scaler, finite: Any) -> Scaler:
-        """``nxt``, told which flag made it when that flag came from this scaler's own unscale()."""
-        if finite is self._unscaled_flag and not isinstance(finite, bool):
-            object.__setattr__(nxt, "_consumed_flag", finite)
+        nxt = Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
+        flags = self._flags
+        if flags is not None and finite is flags[0]:  # (unscale never returns a Python bool)
+            _set_flags(nxt, (None, finite))  # see update()
         return nxt
 
     def _react_to_floor_traced(self, floor_event: Any, *values: Any) -> None:
@@ -563,6 +559,10 @@ class Scaler:
         return Scaler(config, backend.make_state(values, config, like), backend, float(values.scale))
 
 
+#: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
+_set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
+
+
 def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     """Tell the user of an exception from ``update_fn`` what state the gradients are in.
 
@@ -597,27 +597,30 @@ def _holds_none(tree: Any) -> bool:
     return False
 
 
-#: whether the float16-kept warning was shown in this process (a list: set in place)
-_HALF_KEPT_WARNED = [False]
-#: dtype -> whether unscaling it in its own dtype loses small gradients to underflow
-_narrow_dtypes: dict[Any, bool] = {}
+#: whether the float16-kept warning was shown in this process
+_HALF_KEPT_WARNED = False
+#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
+#: tree of only these skips the float16 check with one set comparison
+_WIDE_DTYPES: set[Any] = set()
 
 
-def _warn_if_half_kept(backend: Backend, dtypes: set[Any]) -> None:
+def _warn_if_half_kept(config: ScalerConfig, backend: Backend, dtypes: set[Any]) -> None:
     """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
 
     torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
     returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses bits.
     """
     for dtype in dtypes:
-        narrow = _narrow_dtypes.get(dtype)
-        if narrow is None:
-            if len(_narrow_dtypes) > 64:
-                _narrow_dtypes.clear()
-            narrow = _narrow_dtypes[dtype] = _dtype_name(dtype) == "float16" or _dtype_name(dtype).startswith("float8")
-        if narrow:
-            _HALF_KEPT_WARNED[0] = True
-            name = _dtype_name(dtype)
+        if dtype in _WIDE_DTYPES:
+            continue
+        name = _dtype_name(dtype)
+        if name != "float16" and not name.startswith("float8"):
+            if len(_WIDE_DTYPES) < 64:
+                _WIDE_DTYPES.add(dtype)
+            continue
+        if config.grad_dtype == "keep" and config.scales:
+            global _HALF_KEPT_WARNED
+            _HALF_KEPT_WARNED = True
             warnings.warn(
                 f"{name} gradients are unscaled in {name} on the {backend.name} backend "
                 "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is 0 "
@@ -626,7 +629,7 @@ def _warn_if_half_kept(backend: Backend, dtypes: set[Any]) -> None:
                 "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
                 "gradients (master weights). Shown once per process.",
                 AmpscaleWarning,
-                stacklevel=5,
+                stacklevel=4,
             )
             return
 

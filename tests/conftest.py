@@ -194,4 +194,4 @@ def _float16_kept_warning_already_shown(monkeypatch: pytest.MonkeyPatch) -> None
     (``tests/test_trust_round3.py``) reset it."""
     import ampscale._scaler
 
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", [True], raising=False)
+    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", True, raising=False)

@@ -54,7 +54,7 @@ def _numpy_forms(name: str) -> list[object]:
         if value != int(value) and not issubclass(kind, np.floating):
             continue
         info = np.finfo(kind) if issubclass(kind, np.floating) else np.iinfo(kind)
-        if info.min <= value <= info.max and kind(value) == value:  # the type holds the value
+        if float(info.min) <= value <= float(info.max) and kind(value) == value:  # the type holds the value
             forms += [kind(value), np.asarray(value, dtype=kind)]  # a scalar, and a 0-d array (.npz)
     return forms
 
@@ -633,7 +633,7 @@ def _one(backend: str) -> object:
 def test_float16_gradients_kept_in_float16_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import ampscale._scaler
 
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", [False])
+    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ampscale.create_scaler().unscale([np.ones(2, np.float32)])
@@ -644,7 +644,7 @@ def test_float16_gradients_kept_in_float16_warn_once(monkeypatch: pytest.MonkeyP
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ampscale.create_scaler().unscale([np.ones(2, np.float16)])  # once per process
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", [False])
+    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", False)
     with pytest.warns(ampscale.AmpscaleWarning, match="float16 gradients are unscaled in float16 on the torch"):
         ampscale.create_scaler("torch").unscale([torch.ones(2, dtype=torch.float16)])
 
