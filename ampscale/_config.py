@@ -61,6 +61,7 @@ __all__ = [
     "Preset",
     "ScalerConfig",
     "make_config",
+    "torch_growth_interval",
 ]
 
 FLOAT32_MAX: Final = float.fromhex("0x1.fffffep+127")
@@ -319,6 +320,49 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+#: settings that are real numbers (``None`` allowed where the setting says so), and integers
+REAL_SETTINGS: Final = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
+INT_SETTINGS: Final = ("growth_interval", "hysteresis", "floor_patience", "interval_offset", "first_growth_delay")
+_DIGITS_SHOWN: Final = 24
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, with an integer of hundreds of digits abbreviated."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        try:
+            text = str(int(value))
+        except ValueError:  # more digits than Python converts to text (sys.set_int_max_str_digits)
+            return f"an integer of about {int(value).bit_length() * 0.30103:.0f} digits"
+        if len(text.lstrip("-")) > _DIGITS_SHOWN:
+            return f"{text[:12]}...{text[-4:]} (an integer of {len(text.lstrip('-'))} digits)"
+    return repr(value)
+
+
+def plain_number(value: Any, integral: bool) -> Any:
+    """``value`` as a plain Python ``int`` (``integral``) or ``float``, if it is a number of that kind.
+
+    NumPy scalars (``np.int64(10)`` from a sweep grid, ``np.float32(2.0)``) and 0-d NumPy arrays
+    of a numeric dtype (a value loaded from an ``.npz``) become plain numbers, once, so that
+    everything downstream (the transition, the code generator, JSON) sees Python numbers.
+    Anything else (bools, strings, non-integral values for an integer, ``None``) is returned
+    unchanged, for the validation to name. Raises ``OverflowError`` for an integer too large for
+    a float (the caller names the setting).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "dtype"):
+        if value.dtype.kind not in ("iu" if integral else "iuf"):
+            return value  # a bool, complex or other array: refused by the validation
+        value = value.item()  # a 0-d array or a NumPy scalar: its Python value
+        if isinstance(value, bool):
+            return value
+    if integral:
+        return int(value) if isinstance(value, numbers.Integral) else value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -368,6 +412,7 @@ class ScalerConfig:
         return self._hash
 
     def __post_init__(self) -> None:
+        _normalise(self)
         _validate(self)
         set_ = object.__setattr__
         storage = self.scale_dtype
@@ -421,12 +466,54 @@ class ScalerConfig:
         if unknown:
             raise TypeError(f"unknown setting(s) {unknown}; accepted: {list(_SETTINGS)}")
         if "growth_factor" in settings and "backoff_factor" not in settings and self.backoff_rule == "divide":
-            settings["backoff_factor"] = 1.0 / settings["growth_factor"]
+            try:
+                growth = plain_number(settings["growth_factor"], integral=False)
+            except OverflowError:
+                growth = None  # refused by the validation, naming growth_factor
+            settings["backoff_factor"] = 1.0 / growth if _is_real(growth) and growth != 0 else 0.5
         return dataclasses.replace(self, **settings)
 
 
 def _fail(setting: str, value: Any, accepted: str) -> ValueError:
-    return ValueError(f"{setting} must be {accepted}; got {value!r}")
+    return ValueError(f"{setting} must be {accepted}; got {shown(value)}")
+
+
+_REAL_ACCEPTED: Final = {
+    "init_scale": "a finite number > 0",
+    "growth_factor": "a finite number > 1",
+    "backoff_factor": "a number in the open interval (0, 1)",
+    "min_scale": "None or a finite number > 0",
+    "max_scale": "None or a number > 0",
+}
+
+
+def _normalise(c: ScalerConfig) -> None:
+    """Turn every numeric setting into a plain Python number, once, before it is validated.
+
+    The one place settings change type: NumPy scalars and 0-d arrays become ``int`` or
+    ``float``, ``max_scale=inf`` becomes ``None`` (no ceiling), string settings become plain
+    ``str``. An integer too large for a float is refused here, naming the setting.
+    """
+    set_ = object.__setattr__
+    for name in REAL_SETTINGS:
+        value = getattr(c, name)
+        try:
+            plain = plain_number(value, integral=False)
+        except OverflowError:
+            raise _fail(name, value, _REAL_ACCEPTED[name] + " (this integer is too large for a float)") from None
+        if plain is not value:
+            set_(c, name, plain)
+    if isinstance(c.max_scale, float) and math.isinf(c.max_scale) and c.max_scale > 0:
+        set_(c, "max_scale", None)
+    for name in INT_SETTINGS:
+        value = getattr(c, name)
+        plain = plain_number(value, integral=True)
+        if plain is not value:
+            set_(c, name, plain)
+    for name in ("preset", *_CHOICES):
+        value = getattr(c, name)
+        if isinstance(value, str) and type(value) is not str:
+            set_(c, name, str(value))
 
 
 def _validate(c: ScalerConfig) -> None:
@@ -452,7 +539,7 @@ def _validate(c: ScalerConfig) -> None:
             f"{c.backoff_factor!r}. Pass backoff_rule='multiply' for independent factors."
         )
     for name in ("interval_offset", "first_growth_delay"):
-        if getattr(c, name) not in (0, 1) or isinstance(getattr(c, name), bool):
+        if not _is_int(getattr(c, name)) or getattr(c, name) not in (0, 1):
             raise _fail(name, getattr(c, name), "0 or 1")
     lowest = 1 - c.interval_offset
     if not _is_int(c.growth_interval) or not lowest <= c.growth_interval <= INT32_MAX - 1:
@@ -467,8 +554,8 @@ def _validate(c: ScalerConfig) -> None:
         raise ValueError(f"min_scale must be <= max_scale; got min_scale={c.min_scale!r} > max_scale={c.max_scale!r}")
     if not (callable(c.on_floor) or c.on_floor in ("ignore", "warn", "raise")):
         raise _fail("on_floor", c.on_floor, "'ignore', 'warn', 'raise' or a callable taking a FloorEvent")
-    if not _is_int(c.floor_patience) or c.floor_patience < 1:
-        raise _fail("floor_patience", c.floor_patience, "an integer >= 1")
+    if not _is_int(c.floor_patience) or not 1 <= c.floor_patience <= INT32_MAX:
+        raise _fail("floor_patience", c.floor_patience, f"an integer in [1, {INT32_MAX}]")
     try:
         hash(c.axis_name)
     except TypeError:
@@ -514,6 +601,24 @@ def _validate_rounded(c: ScalerConfig) -> None:
         )
 
 
+#: the ``growth_interval`` that stands for torch's "never grows" (an interval below 1)
+NEVER_GROWS: Final = INT32_MAX - 1
+
+
+def torch_growth_interval(value: Any, interval_offset: int) -> Any:
+    """The ``growth_interval`` ampscale stores for one given in torch's terms.
+
+    torch grows when its good-step counter *equals* the interval, so an interval below the
+    counter's first value (1, or 0 for a preset that grows on the N+1-th step) means "never":
+    the longest interval has the same trajectory. Other values are returned as given (plain
+    Python ints for NumPy integers), for the validation to judge.
+    """
+    plain = plain_number(value, integral=True)
+    if isinstance(plain, int) and not isinstance(plain, bool) and plain < 1 - interval_offset:
+        return NEVER_GROWS
+    return plain
+
+
 class _Default:
     """The default of a setting left out: a named singleton, so signatures read as what it means.
 
@@ -553,10 +658,11 @@ def make_config(preset: str = "torch", **settings: Any) -> ScalerConfig:
     values = dict(PRESETS[preset].defaults)
     values.update(given)
     if values["backoff_rule"] == "divide" and "backoff_factor" not in given:
-        growth = values["growth_factor"]
+        try:
+            growth = plain_number(values["growth_factor"], integral=False)
+        except OverflowError:
+            growth = None  # refused by the validation, naming growth_factor
         values["backoff_factor"] = 1.0 / growth if _is_real(growth) and growth != 0 else 0.5
     if values["mode"] == "guard" and "init_scale" not in given:
         values["init_scale"] = 1.0
-    if isinstance(values["max_scale"], float) and math.isinf(values["max_scale"]) and values["max_scale"] > 0:
-        values["max_scale"] = None
     return ScalerConfig(preset=preset, **values)

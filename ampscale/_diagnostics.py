@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ampscale.backends import backend_of_leaves, get_backend
+from ampscale.backends._base import name_leaves
 
 if TYPE_CHECKING:
     from ampscale._scaler import Scaler
@@ -93,8 +94,12 @@ def diagnose(grads: Any, loss: Any = None, *, backend: Any = None) -> OverflowRe
 
         resolved = backend_of_leaves(_probe_leaves(grads), "gradients") or get_backend("numpy")
     leaves, spec = resolved.flatten(grads)
-    resolved.validate(leaves, spec)
-    counts = resolved.count_nonfinite(leaves)
+    try:
+        resolved.validate(leaves, spec)
+        counts = resolved.count_nonfinite(leaves)
+    except Exception as exc:  # an error naming leaves by index: name them by path too
+        name_leaves(exc, lambda: resolved.leaf_paths(spec))
+        raise
     paths = resolved.leaf_paths(spec)
     bad = tuple(
         LeafReport(paths[i], resolved.dtype_name(leaf), tuple(int(d) for d in leaf.shape), *counts[i])

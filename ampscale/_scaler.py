@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
-from ampscale._errors import ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
-from ampscale.backends._base import when_adapter_ready
+from ampscale.backends._base import name_leaves, when_adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -98,7 +99,10 @@ class Scaler:
         1024.0
     """
 
-    __slots__ = ("_backend", "_config", "_scale_floor", "_state")
+    __slots__ = ("_backend", "_config", "_flags", "_scale_floor", "_state")
+    #: ``(flag the latest unscale() returned, flag the update() that made this scaler consumed)``
+    #: or ``None``: not part of the state, only to refuse an update() given one step's flag twice
+    _flags: tuple[Any, Any] | None
     _config: ScalerConfig
     _state: Any  # a ScalerState, or a backend's packed form of one (see Backend.pack)
     _backend: Backend | None
@@ -114,6 +118,7 @@ class Scaler:
         object.__setattr__(self, "_state", state)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_scale_floor", scale_floor)
+        _set_flags(self, None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Scaler is immutable; use update(), step() or replace() ({name!r})")
@@ -267,44 +272,60 @@ class Scaler:
             probe = _probe_leaves(grads)
             backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
         leaves, spec = backend.flatten(grads)
-        backend.validate(leaves, spec)
-        if loss is not None:
-            _check_loss_is_array(loss)
-            backend.validate((loss,), None, "loss")
-        like = leaves[0] if leaves else loss
-        state = self._state_on(backend, like)
-        group = config.axis_name if isinstance(axis_name, _Default) else axis_name
-        if group is None and not underflow and leaves:
-            # CUDA: check, unscale and the state transition in one launch (or two on torch)
-            fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
-            if fused is not None:
-                new_leaves, finite, loss_finite = fused
-                return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
-        inv = backend.inverse_of(state) if config.scales else None
-        fraction = None
-        count = underflow
-        if config.grad_dtype == "promote" and leaves:
-            if count:  # tiny values are counted in the gradients' own dtypes, before promotion
-                fraction = backend.check_unscale_and_count(leaves, None)[2]
-                count = False
-            leaves = backend.promote(leaves)
-        if not leaves:
-            new_leaves, finite = leaves, backend.as_bool(True, like)
-        elif count:
-            new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
-        else:
-            new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
-        loss_finite = None if loss is None else backend.all_finite([loss])
-        if group is not None:
-            finite = backend.agree(finite, group)
+        try:
+            dtypes = backend.validate(leaves, spec)
+            if not leaves:
+                if _holds_none(grads):
+                    warnings.warn(
+                        "every gradient in the tree is None (no array at all): was backward() not called, or "
+                        "were the gradients cleared before unscale? The step counts as finite and updates nothing",
+                        AmpscaleWarning,
+                        stacklevel=3,
+                    )
+            elif not _HALF_KEPT_WARNED and dtypes is not None and not dtypes <= _WIDE_DTYPES:
+                _warn_if_half_kept(config, backend, dtypes)
+            if loss is not None:
+                _check_loss_is_array(loss)
+                backend.validate((loss,), None, "loss")
+            like = leaves[0] if leaves else loss
+            state = self._state_on(backend, like)
+            group = config.axis_name if isinstance(axis_name, _Default) else axis_name
+            if group is None and not underflow and leaves:
+                # CUDA: check, unscale and the state transition in one launch (or two on torch)
+                fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
+                if fused is not None:
+                    new_leaves, finite, loss_finite = fused
+                    _set_flags(self, (finite, None))  # see update()
+                    return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
+            inv = backend.inverse_of(state) if config.scales else None
+            fraction = None
+            count = underflow
+            if config.grad_dtype == "promote" and leaves:
+                if count:  # tiny values are counted in the gradients' own dtypes, before promotion
+                    fraction = backend.check_unscale_and_count(leaves, None)[2]
+                    count = False
+                leaves = backend.promote(leaves)
+            if not leaves:
+                new_leaves, finite = leaves, backend.as_bool(True, like)
+            elif count:
+                new_leaves, finite, fraction = backend.check_unscale_and_count(leaves, inv)
+            else:
+                new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
+            loss_finite = None if loss is None else backend.all_finite([loss])
+            if group is not None:
+                finite = backend.agree(finite, group)
+                if loss_finite is not None:
+                    loss_finite = backend.agree(loss_finite, group)
+            tree = backend.unflatten(spec, new_leaves)
+            if underflow:
+                tree = (tree, 0.0 if fraction is None else fraction)
             if loss_finite is not None:
-                loss_finite = backend.agree(loss_finite, group)
-        tree = backend.unflatten(spec, new_leaves)
-        if underflow:
-            tree = (tree, 0.0 if fraction is None else fraction)
-        if loss_finite is not None:
-            finite = backend.logical_and(finite, loss_finite)
-        return tree, finite, loss_finite, backend
+                finite = backend.logical_and(finite, loss_finite)
+            _set_flags(self, (finite, None))  # see update()
+            return tree, finite, loss_finite, backend
+        except Exception as exc:  # an error naming leaves by index: name them by path too
+            name_leaves(exc, functools.partial(backend.leaf_paths, spec))  # (a closure would slow the call)
+            raise
 
     def update(self, finite: Any, *, loss_finite: Any = None) -> Scaler:
         """Return the scaler for the next step, given whether this step was finite.
@@ -323,6 +344,14 @@ class Scaler:
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
         _check_flag(finite, "finite")
+        flags = self._flags
+        if flags is not None and finite is flags[1]:
+            raise ValueError(
+                "update() was given the flag that the update() which made this scaler already counted (the "
+                "same object, returned by the same unscale()): that step would count twice (two steps, a "
+                "second backoff or an early growth). Call unscale() (or step()) once per step, and update() "
+                "once with its flag; this scaler is unchanged"
+            )
         if loss_finite is not None:
             _check_flag(loss_finite, "loss_finite")
         return self._update(backend, finite, loss_finite)
@@ -338,7 +367,11 @@ class Scaler:
             if floor_event and config.on_floor != "ignore":
                 self._react_to_floor(new_values)
             new_state = backend.make_state(new_values, config, state.scale, (state, values))
-            return Scaler(config, new_state, backend)
+            nxt = Scaler(config, new_state, backend)
+            flags = self._flags
+            if flags is not None and finite is flags[0]:  # (unscale never returns a Python bool)
+                _set_flags(nxt, (None, finite))  # see update()
+            return nxt
         new_state, new_fields, floor_event = backend.run_transition(config, state, finite, loss_finite, ops)
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
@@ -346,7 +379,11 @@ class Scaler:
                 backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
-        return Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
+        nxt = Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
+        flags = self._flags
+        if flags is not None and finite is flags[0]:  # (unscale never returns a Python bool)
+            _set_flags(nxt, (None, finite))  # see update()
+        return nxt
 
     def _react_to_floor_traced(self, floor_event: Any, *values: Any) -> None:
         if bool(floor_event):
@@ -522,6 +559,10 @@ class Scaler:
         return Scaler(config, backend.make_state(values, config, like), backend, float(values.scale))
 
 
+#: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
+_set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
+
+
 def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     """Tell the user of an exception from ``update_fn`` what state the gradients are in.
 
@@ -543,6 +584,58 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
+
+
+def _holds_none(tree: Any) -> bool:
+    """Whether a tree with no array leaf holds a ``None`` (a gradient never computed)."""
+    if tree is None:
+        return True
+    if isinstance(tree, dict):
+        return any(_holds_none(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_none(item) for item in tree)
+    return False
+
+
+#: whether the float16-kept warning was shown in this process
+_HALF_KEPT_WARNED = False
+#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
+#: tree of only these skips the float16 check with one set comparison
+_WIDE_DTYPES: set[Any] = set()
+
+
+def _warn_if_half_kept(config: ScalerConfig, backend: Backend, dtypes: set[Any]) -> None:
+    """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
+
+    torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
+    returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses bits.
+    """
+    for dtype in dtypes:
+        if dtype in _WIDE_DTYPES:
+            continue
+        name = _dtype_name(dtype)
+        if name != "float16" and not name.startswith("float8"):
+            if len(_WIDE_DTYPES) < 64:
+                _WIDE_DTYPES.add(dtype)
+            continue
+        if config.grad_dtype == "keep" and config.scales:
+            global _HALF_KEPT_WARNED
+            _HALF_KEPT_WARNED = True
+            warnings.warn(
+                f"{name} gradients are unscaled in {name} on the {backend.name} backend "
+                "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is 0 "
+                "and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
+                "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
+                "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
+                "gradients (master weights). Shown once per process.",
+                AmpscaleWarning,
+                stacklevel=4,
+            )
+            return
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(getattr(dtype, "name", dtype)).replace("torch.", "")
 
 
 def _check_loss_is_array(loss: Any) -> None:
@@ -744,10 +837,14 @@ def all_finite(tree: Any, *, backend: Any = None) -> Any:
     else:
         resolved = backend_of_leaves(_probe_leaves(tree), "leaves") or get_backend("numpy")
     leaves, spec = resolved.flatten(tree)
-    resolved.validate(leaves, spec, "leaf")
-    if not leaves:
-        return resolved.as_bool(True)
-    return resolved.all_finite(leaves)
+    try:
+        resolved.validate(leaves, spec, "leaf")
+        if not leaves:
+            return resolved.as_bool(True)
+        return resolved.all_finite(leaves)
+    except Exception as exc:  # an error naming leaves by index: name them by path too
+        name_leaves(exc, lambda: resolved.leaf_paths(spec))
+        raise
 
 
 def register_with_jax() -> None:

@@ -18,31 +18,67 @@ under ``"ampscale"``::
 
 :func:`from_state_dict` also accepts a dict saved by ``torch.amp.GradScaler`` (the five keys
 only): like torch, it replaces the growth and backoff settings and the tracker, and keeps the
-scaler's other settings. Every key is checked before anything is built, and every value as it
-will be used (a scale rounded to the scale's dtype must lie in ``[min_scale, max_scale]``,
-counters in their ranges and consistent with each other, ``last_reason`` one of the codes,
-torch's keys beside the ``"ampscale"`` entry equal to it, no unknown key); a bad dict raises
-:class:`~ampscale.StateDictError` naming the key, the value and what is accepted, and nothing
-is loaded.
+scaler's other settings. torch's ``growth_interval`` below 1 ("never grows") is read as the
+longest interval, whose trajectory is the same. It accepts apex's ``LossScaler`` checkpoints
+too (``{"loss_scale": ..., "unskipped": ...}``, or ``amp.state_dict()``'s
+``{"loss_scaler0": {...}}`` with one scaler): the scale and the good-step counter, under the
+scaler's settings. A torch or apex dict loaded into a scaler whose rules differ from that
+system's (another preset, hysteresis, a floor, ...) warns (:class:`~ampscale.AmpscaleWarning`),
+naming each differing setting: the trajectory goes on under the scaler's rules.
+
+Every key is checked before anything is built, and every value as it will be used (a scale
+rounded to the scale's dtype must lie in ``[min_scale, max_scale]``, counters in their ranges
+and consistent with each other, ``last_reason`` one of the codes, torch's keys beside the
+``"ampscale"`` entry equal to it, no unknown key; a number of any size or NumPy type is
+judged by its value); a bad dict raises :class:`~ampscale.StateDictError` naming the key, the
+value and what is accepted, and nothing is loaded.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
+import warnings
 from typing import Any, Final
 
-from ampscale._config import _SETTINGS, PRESETS, ScalerConfig, _round_to, make_config
+from ampscale._config import (
+    _SETTINGS,
+    PRESETS,
+    ScalerConfig,
+    _round_to,
+    make_config,
+    plain_number,
+    shown,
+    torch_growth_interval,
+)
 from ampscale._core import INT_FIELDS, REASONS, ScalerState, initial_values
-from ampscale._errors import StateDictError
+from ampscale._errors import AmpscaleWarning, StateDictError
 
-__all__ = ["FORMAT_VERSION", "from_state_dict", "to_state_dict"]
+__all__ = ["FORMAT_VERSION", "check_scale", "from_state_dict", "to_state_dict"]
 
 #: Version of the format written by this ampscale. Loading accepts this version and older ones.
 FORMAT_VERSION: Final = 1
 
 _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_APEX_KEYS: Final = ("loss_scale", "unskipped")
+_APEX_ENTRY: Final = re.compile(r"loss_scaler\d+")
 _INT32 = (-(2**31), 2**31 - 1)
+#: the settings that shape the scale's trajectory, beside the ones a torch or apex dict holds
+_RULES: Final = (
+    "mode",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "hysteresis_mode",
+    "counter_rule",
+    "interval_offset",
+    "first_growth_delay",
+    "backoff_rule",
+    "ceiling",
+    "scale_dtype",
+    "factor_precision",
+)
 
 
 def to_state_dict(config: ScalerConfig, values: ScalerState) -> dict[str, Any]:
@@ -75,25 +111,54 @@ def _is_int(value: Any) -> bool:
 
 
 def _bad(key: str, value: Any, accepted: str) -> StateDictError:
-    return StateDictError(f"state dict key {key!r} must be {accepted}; got {value!r}")
+    return StateDictError(f"state dict key {key!r} must be {accepted}; got {shown(value)}")
 
 
-def _check_scale(key: str, value: Any, config: ScalerConfig) -> float:
-    """A scale as it will be used: rounded to the scale's dtype, within the config's bounds."""
+def _number(key: str, value: Any, accepted: str) -> float:
+    """A finite real number as a Python float (an int of any size, a NumPy scalar), else refused."""
+    try:
+        number = plain_number(value, integral=False)
+    except OverflowError:
+        raise _bad(key, value, accepted + " (this integer is too large for a float)") from None
+    if not _is_number(number) or not math.isfinite(number):
+        raise _bad(key, value, accepted)
+    return float(number)
+
+
+def _integer(key: str, value: Any, accepted: str) -> int:
+    """An integer as a Python int (a NumPy integer, a 0-d integer array), else refused."""
+    number = plain_number(value, integral=True)
+    if not _is_int(number):
+        raise _bad(key, value, accepted)
+    return int(number)
+
+
+def check_scale(key: str, value: Any, config: ScalerConfig, what: str = "state dict key") -> float:
+    """A scale as it will be used: rounded to the scale's dtype, within the config's bounds.
+
+    Raises :class:`StateDictError` naming ``key`` (``what`` says what it is: a state dict key,
+    or an argument). Every way a scale is set from outside (a checkpoint, ``GradScaler.update(
+    new_scale)``) is checked here, so the scale is never 0, inf, nan or outside its bounds.
+    """
     low, high = config.min_value, config.max_value
     accepted = f"a number in [{low!r}, {high!r}] (min_scale to max_scale, in {config.scale_dtype})"
-    if not _is_number(value) or not math.isfinite(value):
-        raise _bad(key, value, accepted)
-    rounded = _round_to(float(value), config.scale_dtype)
-    if not low <= rounded <= high:
-        raise _bad(key, value, accepted)
+    try:
+        rounded = _round_to(_number(key, value, accepted), config.scale_dtype)
+        if not low <= rounded <= high:
+            raise _bad(key, value, accepted)
+    except StateDictError as exc:
+        if what == "state dict key":
+            raise
+        raise StateDictError(str(exc).replace("state dict key", what, 1)) from None
     return rounded
 
 
 def _check_counter(key: str, value: Any, low: int, high: int = _INT32[1]) -> int:
-    if not _is_int(value) or not low <= value <= high:
-        raise _bad(key, value, f"an integer in [{low}, {high}]")
-    return int(value)
+    accepted = f"an integer in [{low}, {high}]"
+    number = _integer(key, value, accepted)
+    if not low <= number <= high:
+        raise _bad(key, value, accepted)
+    return number
 
 
 def from_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
@@ -116,7 +181,25 @@ def from_state_dict(state_dict: Any, current: ScalerConfig) -> tuple[ScalerConfi
         config, values = _from_ampscale(state_dict["ampscale"], current)
         _check_torch_keys(state_dict, config, values)
         return config, values
+    if "loss_scale" in state_dict or any(isinstance(k, str) and _APEX_ENTRY.fullmatch(k) for k in state_dict):
+        return _from_apex(state_dict, current)
     return _from_torch(state_dict, current)
+
+
+def _warn_foreign_rules(system: str, preset: str, config: ScalerConfig, stacklevel: int = 5) -> None:
+    """Warn that a dict of ``system`` (torch, apex) goes on under rules that differ from its own."""
+    theirs = PRESETS[preset].defaults
+    ours = config.settings()
+    differ = [f"{name}={ours[name]!r} ({system}: {theirs[name]!r})" for name in _RULES if ours[name] != theirs[name]]
+    if not differ:
+        return
+    warnings.warn(
+        f"loading a {system} state dict into a scaler whose rules differ from {system}'s: {', '.join(differ)}. "
+        f"The scale and the counters go on under this scaler's rules (preset {config.preset!r}), not "
+        f"{system}'s; create the scaler with preset={preset!r} to continue {system}'s trajectory exactly",
+        AmpscaleWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
@@ -129,24 +212,58 @@ def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[Scal
     unknown = sorted(map(repr, set(state_dict) - set(_TORCH_KEYS)))
     if unknown:
         raise StateDictError(f"state dict has unknown key(s) {', '.join(unknown)}; accepted: {list(_TORCH_KEYS)}")
-    for key in ("growth_factor", "backoff_factor"):
-        if not _is_number(state_dict[key]):
-            raise _bad(key, state_dict[key], "a number")
-    interval = state_dict["growth_interval"]
-    if not _is_int(interval):
-        raise _bad("growth_interval", interval, "an integer")
-    try:
-        config = current.replace(
-            growth_factor=float(state_dict["growth_factor"]),
-            backoff_factor=float(state_dict["backoff_factor"]),
-            growth_interval=int(interval),
+    growth = _number("growth_factor", state_dict["growth_factor"], "a finite number")
+    backoff = _number("backoff_factor", state_dict["backoff_factor"], "a finite number")
+    # torch's "never grows" (an interval below 1) is the longest interval: the same trajectory
+    given = _integer("growth_interval", state_dict["growth_interval"], "an integer")
+    interval = torch_growth_interval(given, current.interval_offset)
+    if interval != given:
+        warnings.warn(
+            f"growth_interval={given!r}: the scale never grows (the good-step counter never equals it)",
+            AmpscaleWarning,
+            stacklevel=4,
         )
+    try:
+        config = current.replace(growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
     except ValueError as exc:
         raise StateDictError(f"state dict holds invalid settings: {exc}") from exc
-    scale = _check_scale("scale", state_dict["scale"], config)
+    scale = check_scale("scale", state_dict["scale"], config)
     tracker = _check_counter("_growth_tracker", state_dict["_growth_tracker"], -config.first_growth_delay)
     values = initial_values(config)._replace(scale=scale, last_scale=scale, growth_tracker=tracker)
+    _warn_foreign_rules("torch.amp.GradScaler", "torch", config)
     return config, values
+
+
+def _from_apex(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
+    """apex's ``LossScaler`` state: ``amp.state_dict()`` (one ``loss_scaler<N>`` entry) or one entry."""
+    entry: Any = state_dict
+    prefix = ""
+    if "loss_scale" not in state_dict:
+        names = sorted(map(str, state_dict))
+        others = [k for k in names if not _APEX_ENTRY.fullmatch(k)]
+        if others:
+            raise StateDictError(f"state dict has unknown key(s) {others} beside apex's {names[0]!r}")
+        if len(names) != 1:
+            raise StateDictError(
+                f"state dict holds {len(names)} apex loss scalers ({', '.join(names)}: amp.initialize(num_losses="
+                f"{len(names)})); a scaler loads one: pass state_dict[{names[0]!r}]"
+            )
+        prefix = f"{names[0]}."
+        entry = state_dict[names[0]]
+        if not isinstance(entry, dict):
+            raise _bad(names[0], entry, "a dict with apex's keys 'loss_scale' and 'unskipped'")
+    missing = [k for k in _APEX_KEYS if k not in entry]
+    unknown = sorted(map(repr, set(entry) - set(_APEX_KEYS)))
+    if missing or unknown:
+        raise StateDictError(
+            f"an apex LossScaler state dict holds exactly the keys {list(_APEX_KEYS)}; "
+            f"missing {missing}, unknown [{', '.join(unknown)}]"
+        )
+    scale = check_scale(f"{prefix}loss_scale", entry["loss_scale"], current)
+    unskipped = _check_counter(f"{prefix}unskipped", entry["unskipped"], 0)
+    values = initial_values(current)._replace(scale=scale, last_scale=scale, growth_tracker=unskipped)
+    _warn_foreign_rules("apex LossScaler", "apex", current)
+    return current, values
 
 
 def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, ScalerState]:
@@ -200,7 +317,7 @@ def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, S
             continue
         value = state[name]
         if name in ("scale", "last_scale"):
-            values[name] = _check_scale(key, value, config)
+            values[name] = check_scale(key, value, config)
         elif name == "growth_tracker":
             values[name] = _check_counter(key, value, -config.first_growth_delay)
         elif name == "hysteresis_tracker":
@@ -241,7 +358,11 @@ def _check_torch_keys(state_dict: dict[str, Any], config: ScalerConfig, values: 
     """torch's keys beside an ``"ampscale"`` entry must say what the entry says."""
     written = to_state_dict(config, values)
     for key in _TORCH_KEYS:
-        if key in state_dict and not _same(state_dict[key], written[key]):
+        given = state_dict.get(key)
+        if key == "growth_interval" and _is_int(given):
+            # torch's "never grows" beside the entry's longest interval (the drop-in writes both)
+            given = torch_growth_interval(given, config.interval_offset)
+        if key in state_dict and not _same(given, written[key]):
             raise StateDictError(
                 f"state dict key {key!r} ({state_dict[key]!r}) disagrees with the 'ampscale' entry, which "
                 f"says {written[key]!r}: edit both, or remove the top-level key"

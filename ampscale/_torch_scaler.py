@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import math
+import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -19,13 +20,21 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState
 
-from ampscale._config import _UNSET, INT32_MAX, PRESETS, ScalerConfig, make_config
+from ampscale._config import (
+    _UNSET,
+    NEVER_GROWS,
+    PRESETS,
+    ScalerConfig,
+    make_config,
+    plain_number,
+    torch_growth_interval,
+)
 from ampscale._core import ScalerState, initial_values
-from ampscale._errors import AmpscaleWarning
+from ampscale._errors import AmpscaleWarning, StateDictError
 from ampscale._ops import HostOps
 from ampscale._scaler import Scaler, _PendingScaler
-from ampscale._state_dict import from_state_dict, to_state_dict
-from ampscale.backends._base import Backend
+from ampscale._state_dict import check_scale, from_state_dict, to_state_dict
+from ampscale.backends._base import Backend, name_leaves
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 
 __all__ = ["GradScaler", "OptState", "SettingError", "StepResult"]
@@ -36,25 +45,27 @@ class SettingError(ValueError, AssertionError):
 
 
 class StepResult(NamedTuple):
-    """What :meth:`GradScaler.step` did: an immutable named tuple, true when the step was applied.
+    """What the latest :meth:`GradScaler.step` did (:attr:`GradScaler.last_step`), true when the
+    step was applied: an immutable named tuple.
+
+    ``step()`` itself returns what ``torch.amp.GradScaler.step`` returns (``optimizer.step()``'s
+    value, ``None`` when skipped); this is where the outcome is kept.
 
     Attributes:
         applied: whether ``optimizer.step()`` took effect: a Python bool, or a 0-d bool tensor
             on the fused path (read it only when you need it: that read is a sync).
-        retval: the return value of ``optimizer.step()`` (``None`` if it was skipped).
         found_inf: 0-d float32 tensor, nonzero when this optimizer's step overflowed (shared:
             do not modify it).
     """
 
     applied: bool | torch.Tensor
-    retval: Any
     found_inf: torch.Tensor
 
     def __bool__(self) -> bool:
         return bool(self.applied)
 
 
-#: ``_new_tuple(StepResult, (applied, retval, found_inf))``: a ``StepResult`` in one C call
+#: ``_new_tuple(StepResult, (applied, found_inf))``: a ``StepResult`` in one C call
 #: (``step()`` makes one per call; the class's ``__new__`` is a Python function)
 _new_tuple = tuple.__new__
 
@@ -62,6 +73,9 @@ _new_tuple = tuple.__new__
 #: ``found_inf`` of a step that checked nothing (a disabled scaler): shared, never written
 _NO_OVERFLOW = torch.zeros(())
 
+
+#: the outcome of a step that checked nothing (a disabled scaler)
+_ALWAYS_APPLIED = StepResult(True, _NO_OVERFLOW)
 
 _READY, _STEPPED = OptState.READY, OptState.STEPPED
 
@@ -75,6 +89,25 @@ def _grads_of(optimizer: Any) -> list[torch.Tensor]:
     """The optimizer's gradients, each ``.grad`` read once (with thousands of parameters the
     reads are a large part of the step)."""
     return [g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
+
+
+def _parameter_names(optimizer: Any) -> list[str]:
+    """A name for each gradient of ``_grads_of(optimizer)``, in its order (only for errors).
+
+    The parameter's name where the optimizer was given named parameters (torch keeps them as
+    ``param_groups[i]["param_names"]``: ``SGD(model.named_parameters())``), else its place:
+    ``param_groups[0]['params'][3]``.
+    """
+    names = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        given = group.get("param_names")
+        for index, param in enumerate(group["params"]):
+            if param.grad is not None:
+                if given is not None and index < len(given):
+                    names.append(str(given[index]))
+                else:
+                    names.append(f"param_groups[{group_index}]['params'][{index}]")
+    return names
 
 
 #: run the accelerator code path on CPU tensors too (tests: to exercise it, and show it reads nothing)
@@ -135,6 +168,17 @@ class _HostView:
         return tensor.item() if view is None else view.value
 
 
+def _plain(value: Any, integral: bool) -> Any:
+    """A NumPy number given for a torch setting as a plain Python number (Python numbers and
+    anything else as given: ``16`` stays ``16``, as torch's getters return it)."""
+    if type(value) in (int, float):
+        return value
+    try:
+        return plain_number(value, integral)
+    except OverflowError:  # (refused by the validation first, on an enabled scaler)
+        return value
+
+
 def _torch_setting(name: str) -> Any:
     """``_growth_factor`` and its kin: torch's attribute, kept as given, validated when written."""
     key = f"_given_{name}"
@@ -148,7 +192,7 @@ def _torch_setting(name: str) -> Any:
     def set(self: GradScaler, value: Any) -> None:
         if self._enabled:
             self._replace_setting(name, value)
-        self.__dict__[key] = value
+        self.__dict__[key] = _plain(value, name == "growth_interval")
 
     return property(get, set, doc=f"The {name.replace('_', ' ')} as given (torch's attribute).")
 
@@ -261,31 +305,29 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
 
     # -- settings -------------------------------------------------------------------------------
     @staticmethod
-    def _config_value(name: str, value: Any, lowest_interval: int) -> Any:
+    def _config_value(name: str, value: Any, interval_offset: int) -> Any:
         """The value ampscale's config stores for a torch setting.
 
         torch grows when its counter *equals* ``growth_interval``, so an interval below the
-        counter's first value means "never": the longest interval has the same trajectory.
+        counter's first value means "never": the longest interval has the same trajectory
+        (:func:`ampscale._config.torch_growth_interval`, shared with torch's checkpoints).
         """
-        if (
-            name == "growth_interval"
-            and isinstance(value, int)
-            and not isinstance(value, bool)
-            and value < lowest_interval
-        ):
+        if name != "growth_interval":
+            return value
+        stored = torch_growth_interval(value, interval_offset)
+        if stored == NEVER_GROWS and stored != value:
             warnings.warn(
                 f"growth_interval={value!r}: the scale never grows (the good-step counter never equals it)",
                 AmpscaleWarning,
                 stacklevel=4,
             )
-            return INT32_MAX - 1
-        return value
+        return stored
 
     def _new_config(self, preset: str, given: dict[str, Any], settings: dict[str, Any]) -> ScalerConfig:
         default_offset = PRESETS[preset].defaults["interval_offset"] if preset in PRESETS else 0
-        offset = settings.get("interval_offset", default_offset)
-        lowest = 1 - offset if isinstance(offset, int) else 1
-        values = {name: self._config_value(name, value, lowest) for name, value in given.items()}
+        offset = plain_number(settings.get("interval_offset", default_offset), integral=True)
+        offset = offset if isinstance(offset, int) and offset in (0, 1) else 0
+        values = {name: self._config_value(name, value, offset) for name, value in given.items()}
         try:
             return make_config(preset, **values, **settings)
         except ValueError as exc:
@@ -293,7 +335,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
 
     def _replace_setting(self, name: str, value: Any) -> None:
         config = self._config
-        stored = self._config_value(name, value, 1 - config.interval_offset)
+        stored = self._config_value(name, value, config.interval_offset)
         try:
             new = config.replace(**{name: stored})
         except ValueError as exc:
@@ -303,9 +345,13 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             self.__dict__["_given_backoff_factor"] = new.backoff_factor
 
     def _set_given(self, **values: Any) -> None:
-        """Store torch's settings as given (what the getters and ``state_dict`` return), unchecked."""
+        """Store torch's settings as given (what the getters and ``state_dict`` return), unchecked.
+
+        Numbers are kept as plain Python numbers (``np.float32(2.0)`` as ``2.0``), so that
+        ``state_dict()`` is JSON-serialisable and loads with ``torch.load(weights_only=True)``.
+        """
         for name, value in values.items():
-            self.__dict__[f"_given_{name}"] = value
+            self.__dict__[f"_given_{name}"] = _plain(value, name == "growth_interval")
 
     # torch's attributes: what was given, as torch keeps it; writing one (as torch's setters,
     # and code that skips them, do) validates it and changes the settings in use, once enabled
@@ -348,9 +394,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         config = self._config
-        like = torch.empty((), device=dev)
-        wide = config.scale_dtype == "float64" and BACKEND.has_float64(like)
-        self._scale = torch.full((), self._init_scale, dtype=torch.float64 if wide else torch.float32, device=dev)
+        self._scale = torch.full((), self._init_scale, dtype=self._scale_dtype(config, dev), device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         if _on_host(self._scale):
             self._rest = self._init_rest
@@ -358,11 +402,21 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             values = ScalerState(float(self._init_scale), int(self._init_growth_tracker), *self._init_rest)
             self._rest = self._device_rest(values, config)
 
-    def _device_rest(self, values: ScalerState, config: ScalerConfig) -> tuple[Any, ...]:
-        """ampscale's other fields as 0-d tensors beside ``_scale``."""
-        assert self._scale is not None
+    @staticmethod
+    def _scale_dtype(config: ScalerConfig, device: Any) -> torch.dtype:
+        """The dtype of ``_scale`` for ``config`` on ``device``: float64 where the settings keep the
+        scale in float64 and the device has it, else float32 (torch's)."""
+        wide = config.scale_dtype == "float64" and BACKEND.has_float64(torch.empty((), device=device))
+        return torch.float64 if wide else torch.float32
+
+    def _device_rest(
+        self, values: ScalerState, config: ScalerConfig, beside: torch.Tensor | None = None
+    ) -> tuple[Any, ...]:
+        """ampscale's other fields as 0-d tensors beside ``_scale`` (or ``beside``)."""
+        like = self._scale if beside is None else beside
+        assert like is not None
         # the generic tensor state (the torch backend would keep CPU state as Python numbers)
-        return tuple(Backend.make_state(BACKEND, values, config, self._scale)[2:])
+        return tuple(Backend.make_state(BACKEND, values, config, like)[2:])
 
     # -- scale ----------------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -510,13 +564,17 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         else:
             floor = self._scale_floor(optimizer)
         try:
-            return BACKEND.found_inf_and_unscale(grads, inv_scale, found_inf=found_inf, scale_floor=floor)
-        except UncoalescedSparseError:
-            # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
-            self._coalesce_half_sparse(optimizer)
-            return BACKEND.found_inf_and_unscale(
-                _grads_of(optimizer), inv_scale, found_inf=found_inf, scale_floor=floor
-            )
+            try:
+                return BACKEND.found_inf_and_unscale(grads, inv_scale, found_inf=found_inf, scale_floor=floor)
+            except UncoalescedSparseError:
+                # torch coalesces float16 sparse gradients first: duplicates may overflow when summed
+                self._coalesce_half_sparse(optimizer)
+                return BACKEND.found_inf_and_unscale(
+                    _grads_of(optimizer), inv_scale, found_inf=found_inf, scale_floor=floor
+                )
+        except Exception as exc:  # an error naming gradients by index: name their parameters
+            name_leaves(exc, lambda: _parameter_names(optimizer))
+            raise
 
     def _scale_floor(self, optimizer: Any) -> float | None:
         """The scale on the CPU; a host lower bound of it on an accelerator (``None``: unknown).
@@ -621,11 +679,13 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._step_applied = applied
         return optimizer.step(*args, **kwargs) if applied else None
 
-    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> StepResult:
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and call ``optimizer.step()`` unless the step overflowed.
 
-        Returns a :class:`StepResult`; ``torch.amp.GradScaler.step`` returns what
-        ``optimizer.step()`` returns, found here in ``.retval``. An optimizer with
+        Returns what ``torch.amp.GradScaler.step`` returns: ``optimizer.step(*args, **kwargs)``'s
+        return value (the closure's loss, for an optimizer given a closure positionally), or
+        ``None`` when the step was skipped. Whether it was applied is :attr:`last_step` (a
+        :class:`StepResult`: a device tensor on the fused path, so no sync). An optimizer with
         ``_step_supports_amp_scaling`` (``Adam(fused=True)``, ...) is handed the scale and the
         flag as tensors (``grad_scale``, ``found_inf``) and the host reads nothing; if its
         ``step`` takes a ``grad_scaler`` keyword it gets this scaler instead (with torch's
@@ -633,7 +693,9 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         flag, as torch's does.
         """
         if not self._enabled:
-            return StepResult(True, optimizer.step(*args, **kwargs), _NO_OVERFLOW)
+            retval = optimizer.step(*args, **kwargs)
+            self._last_step = _ALWAYS_APPLIED
+            return retval
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale = self._scale
@@ -656,7 +718,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                         ok = not found_inf.item()
                         retval = optimizer.step(*args, **kwargs) if ok else None
                         optimizer_state["stage"] = _STEPPED
-                        return _new_tuple(StepResult, (ok, retval, found_inf))
+                        self._last_step = _new_tuple(StepResult, (ok, found_inf))
+                        return retval
         elif not found:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         self._step_applied = None
@@ -666,11 +729,24 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         if applied is None:  # _maybe_opt_step was overridden: report the flag, unread
             applied = found_inf == 0
         optimizer_state["stage"] = _STEPPED
-        return _new_tuple(StepResult, (applied, retval, found_inf))
+        self._last_step = _new_tuple(StepResult, (applied, found_inf))
+        return retval
+
+    @property
+    def last_step(self) -> StepResult | None:
+        """The outcome of the latest :meth:`step` call (``None`` before the first).
+
+        A :class:`StepResult`, true when that optimizer's update was applied; kept through
+        :meth:`update` until the next ``step()``, so a scheduler or an EMA can be gated after
+        the iteration: ``if scaler.last_step: scheduler.step()``. ``applied`` is a device tensor
+        on the fused path (``Adam(fused=True)`` on a GPU): reading it is the sync, when you
+        choose. With several optimizers, read it after each one's ``step()``.
+        """
+        return self.__dict__.get("_last_step")
 
     def _step_amp_aware(
         self, optimizer: Any, optimizer_state: dict[str, Any], scale: torch.Tensor, args: Any, kwargs: dict[str, Any]
-    ) -> StepResult:
+    ) -> Any:
         """``step`` for an optimizer that handles scaling itself (torch's two protocols)."""
         if _step_takes_grad_scaler(optimizer.step):
             warnings.warn(
@@ -685,9 +761,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             optimizer_state["stage"] = OptState.STEPPED
             found = optimizer_state["found_inf_per_device"]  # whatever the optimizer recorded
             if not found:
-                return StepResult(True, retval, _NO_OVERFLOW)
+                self._last_step = _ALWAYS_APPLIED
+                return retval
             found_inf = self._sum_found(found, scale.device)
-            return StepResult(found_inf == 0, retval, found_inf)
+            self._last_step = StepResult(found_inf == 0, found_inf)
+            return retval
         if optimizer_state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         found_inf = self._sum_found(optimizer_state["found_inf_per_device"], scale.device)
@@ -705,7 +783,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         optimizer_state["stage"] = OptState.STEPPED
         del optimizer.grad_scale
         del optimizer.found_inf
-        return StepResult(found_inf == 0, retval, found_inf)
+        self._last_step = StepResult(found_inf == 0, found_inf)
+        return retval
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -825,7 +904,16 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         Scaler(self._config)._react_to_floor(values)
 
     def _fill_scale(self, scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
-        """torch's ``update(new_scale)``: the scale filled in place, the tracker kept."""
+        """torch's ``update(new_scale)``: the scale filled in place, the tracker kept.
+
+        Checked first, and nothing changes on a refusal: a tensor as torch checks it (on the
+        scaler's device type, one element, no ``requires_grad``: ``AssertionError`` with
+        torch's message; not bool or complex), a number that is a real number and no bool;
+        then the value as the scale will hold it (rounded to its dtype: finite, > 0, within
+        ``[min_scale, max_scale]``), so 0, nan, inf and negatives are refused here rather than
+        dividing by zero in the next ``unscale_``. A tensor's value is read for the check (on
+        an accelerator, one sync in this rare call).
+        """
         if isinstance(new_scale, torch.Tensor):
             reason = (
                 "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -837,9 +925,23 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 raise AssertionError(reason)
             if new_scale.requires_grad is True:
                 raise AssertionError(reason)
-            scale.copy_(new_scale.reshape(scale.shape))
+            if new_scale.dtype is torch.bool or new_scale.is_complex():
+                raise TypeError(
+                    f"new_scale must be a real number or a real 1-element tensor; got a {new_scale.dtype} tensor"
+                )
+            value: Any = new_scale.item()
+        elif isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
+            raise TypeError(
+                "new_scale must be a float (or an int) or a 1-element tensor with requires_grad=False; got "
+                f"{type(new_scale).__name__} {new_scale!r}"
+            )
         else:
-            scale.fill_(float(new_scale))  # ints too (torch takes floats and tensors only)
+            value = new_scale
+        try:
+            checked = check_scale("new_scale", value, self._config, what="update() argument")
+        except StateDictError as exc:
+            raise SettingError(str(exc)) from None
+        scale.fill_(checked)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -859,38 +961,53 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from this class, from ``torch.amp.GradScaler`` or from an ampscale scaler.
+        """Load a dict from this class, from ``torch.amp.GradScaler``, from an ampscale scaler
+        (a dict holding only the ``"ampscale"`` entry too) or from apex's ``LossScaler``.
 
-        The dict is checked first: a bad one raises ``ampscale.StateDictError`` (a
-        ``ValueError``) naming the key, and changes nothing.
+        All or nothing: the dict is checked first, value by value, and the new tensors are
+        made before anything is replaced; a bad one raises ``ampscale.StateDictError`` (a
+        ``ValueError``) naming the key, and changes nothing. Loading after the first
+        ``scale()`` gives the state loading before it would have: the scale tensor keeps its
+        dtype when the loaded settings keep theirs, and filled in place (as torch); when they
+        change it (a float64 checkpoint of the ``deepspeed`` or ``apex`` preset into a float32
+        scaler, or back), ``_scale`` becomes a new tensor of the loaded dtype on the same
+        device, so the run resumes exactly (references to the old tensor see no later change).
         """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
+        if isinstance(state_dict, dict) and len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
-        checked = state_dict
-        interval = state_dict.get("growth_interval")
-        if "ampscale" not in state_dict and isinstance(interval, int) and not isinstance(interval, bool):
-            mapped = self._config_value("growth_interval", interval, 1 - self._config.interval_offset)
-            if mapped != interval:
-                checked = {**state_dict, "growth_interval": mapped}
-        config, values = from_state_dict(checked, self._config)
+        config, values = from_state_dict(state_dict, self._config)
+        # torch's attributes: as the dict gives them, else as the loaded settings say
+        given = {
+            name: state_dict[name] if name in state_dict else getattr(config, name)
+            for name in ("growth_factor", "backoff_factor", "growth_interval")
+        }
+        scale, tracker = self._scale, self._growth_tracker
+        new_scale: torch.Tensor | None = None
+        rest: tuple[Any, ...] = tuple(values[2:])
+        if scale is not None and tracker is not None:
+            dtype = self._scale_dtype(config, scale.device)
+            if scale.dtype != dtype:
+                new_scale = torch.full((), values.scale, dtype=dtype, device=scale.device)
+            if not _on_host(scale):
+                rest = self._device_rest(values, config, new_scale if new_scale is not None else scale)
+        # nothing above changed the scaler; from here on nothing can fail
         self._config = config
         self._preset = config.preset
         self._init_scale = values.scale
-        self._set_given(
-            growth_factor=state_dict["growth_factor"],
-            backoff_factor=state_dict["backoff_factor"],
-            growth_interval=state_dict["growth_interval"],
-        )
+        self._set_given(**given)
         self._init_growth_tracker = values.growth_tracker
         self._init_rest = tuple(values[2:])
-        if self._scale is not None and self._growth_tracker is not None:
-            self._scale.fill_(values.scale)
-            self._growth_tracker.fill_(values.growth_tracker)
-            self._rest = self._init_rest if _on_host(self._scale) else self._device_rest(values, config)
+        if scale is not None and tracker is not None:
+            if new_scale is None:
+                scale.fill_(values.scale)
+            else:
+                self._scale = new_scale
+            tracker.fill_(values.growth_tracker)
+            self._rest = rest
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -914,6 +1031,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             state["_scale_bound"] = None
             state["_loss_bad_on_host"] = False
             state["_loss_bad"] = {}
+            state.pop("_last_step", None)  # an outcome of this process's steps, with a tensor
         return state
 
     def __repr__(self) -> str:
@@ -927,18 +1045,23 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         )
 
 
+#: settings torch's five keys hold (or that do not shape the trajectory)
+_TORCH_HELD = frozenset(
+    {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "on_floor", "floor_patience"}
+)
+
+
 def _torch_compatible(config: ScalerConfig) -> bool:
-    """Whether torch's five keys describe ``config`` completely."""
-    reference = make_config(
-        "torch",
-        init_scale=config.init_scale,
-        growth_factor=config.growth_factor,
-        backoff_factor=config.backoff_factor,
-        growth_interval=config.growth_interval,
-    )
-    ignore = {"init_scale", "on_floor", "floor_patience"}
-    ours, theirs = config.settings(), reference.settings()
-    return config.preset == "torch" and all(ours[k] == theirs[k] for k in ours if k not in ignore)
+    """Whether torch's five keys describe ``config`` completely.
+
+    Compared with the torch preset's defaults setting by setting (no config is built, so this
+    holds for any config the constructor accepted, and ``state_dict()`` cannot raise).
+    """
+    if config.preset != "torch":
+        return False
+    torch_defaults = PRESETS["torch"].defaults
+    ours = config.settings()
+    return all(value == torch_defaults[name] for name, value in ours.items() if name not in _TORCH_HELD)
 
 
 #: the drop-in's own _maybe_opt_step (step() inlines it unless a subclass overrides it)

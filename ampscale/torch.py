@@ -11,14 +11,16 @@ meaning, so existing loops, and the libraries that reach into the scaler, run un
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(batch)
         scaler.scale(loss).backward()
-        result = scaler.step(optimizer)        # torch returns optimizer.step()'s value
+        scaler.step(optimizer)                 # returns optimizer.step()'s value, as torch
         scaler.update()
+        if scaler.last_step.applied:           # was the update applied? (StepResult)
+            scheduler.step()
 
 Differences, all additions:
 
-* ``step`` returns a :class:`StepResult` saying whether the update was applied (a device
-  tensor on the fused path, so there is still no sync), with the optimizer's own return value
-  in ``.retval``.
+* ``step`` returns what torch's returns (``optimizer.step()``'s value, ``None`` when skipped);
+  :attr:`GradScaler.last_step` is a :class:`StepResult` saying whether that update was
+  applied (a device tensor on the fused path, so there is still no sync).
 * float16 and bfloat16 gradients are accepted (torch refuses float16 and, on CUDA, bfloat16).
 * ``preset=``, ``hysteresis=``, ``min_scale=``, ``max_scale=``, ``on_floor=`` and the other
   ampscale settings; a ``process_group`` whose ranks agree on overflow before anything changes.

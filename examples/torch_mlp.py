@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # clip unscaled gradients
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        result = scaler.step(optimizer)
+        scaler.step(optimizer)  # returns what torch's does: optimizer.step()'s value
         scaler.update()
-        if result.applied:  # pytorch#55585: only advance the schedule on applied steps
+        if scaler.last_step.applied:  # pytorch#55585: only advance the schedule on applied steps
             schedule.step()
             applied_steps += 1
         if step % 100 == 0 or step == args.steps - 1:

@@ -128,39 +128,42 @@ def test_fp16_and_bf16_gradients_are_accepted() -> None:
         train_step(model, opt, theirs, *batches(1, torch.float16)[0], False)
 
 
-def test_step_returns_an_outcome() -> None:
+def test_step_returns_torchs_value_and_keeps_the_outcome() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = amp_torch.GradScaler("cpu")
+    assert scaler.last_step is None
     x, y = batches(1)[0]
     opt.zero_grad()
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    result = scaler.step(opt)
+    assert scaler.step(opt) is None  # SGD.step() returns None, and so does torch's scaler
+    result = scaler.last_step
     assert result.applied is True
     assert bool(result)
-    assert result.retval is None
     scaler.update()
+    assert scaler.last_step is result  # kept through update(), until the next step()
     opt.zero_grad()
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     model[2].bias.grad[0] = float("nan")
-    result = scaler.step(opt)
+    assert scaler.step(opt) is None
+    result = scaler.last_step
     assert result.applied is False
     assert float(result.found_inf) == 1.0
     scaler.update()
     assert scaler.scaler.outcome.to_dict()["reason"] == "gradients"
     # step() builds its result without the class's __new__: it is the same immutable value
-    same = amp_torch.StepResult(result.applied, result.retval, result.found_inf)
+    same = amp_torch.StepResult(result.applied, result.found_inf)
     assert type(result) is amp_torch.StepResult
     assert result == same
     assert repr(result) == repr(same)
-    assert repr(result).startswith("StepResult(applied=False, retval=None, found_inf=tensor(1.")
+    assert repr(result).startswith("StepResult(applied=False, found_inf=tensor(1.")
     with pytest.raises(AttributeError):
         result.applied = True  # type: ignore[misc]
-    applied, retval, found_inf = result  # a named tuple: it unpacks
-    assert (applied, retval, found_inf) == (False, None, result.found_inf)
-    assert result._asdict() == {"applied": False, "retval": None, "found_inf": result.found_inf}
+    applied, found_inf = result  # a named tuple: it unpacks
+    assert (applied, found_inf) == (False, result.found_inf)
+    assert result._asdict() == {"applied": False, "found_inf": result.found_inf}
     copied = pickle.loads(pickle.dumps(result))
-    assert (copied.applied, copied.retval, float(copied.found_inf)) == (False, None, 1.0)
+    assert (copied.applied, float(copied.found_inf)) == (False, 1.0)
 
 
 def test_scaled_loss_overflow_skips_the_step() -> None:
@@ -173,7 +176,8 @@ def test_scaled_loss_overflow_skips_the_step() -> None:
     loss = torch.nn.functional.mse_loss(model(x), y) + torch.tensor(float("inf"))  # not differentiated
     scaler.scale(loss).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    assert scaler.step(opt).applied is False
+    assert scaler.step(opt) is None
+    assert scaler.last_step.applied is False
     scaler.update()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
     assert scaler.get_scale() == 2.0**15
@@ -182,7 +186,8 @@ def test_scaled_loss_overflow_skips_the_step() -> None:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y) + torch.tensor(float("inf"))
     off.scale(loss).backward()
-    assert off.step(opt).applied is True
+    off.step(opt)
+    assert off.last_step.applied is True
 
 
 def test_multiple_optimizers_skip_independently_and_back_off_once() -> None:
@@ -253,7 +258,8 @@ def test_disabled_and_cuda_fallback_behave_like_torch() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     off.unscale_(opt)
-    assert off.step(opt).applied is True
+    assert off.step(opt) is None
+    assert off.last_step.applied is True
     off.update()
     if not torch.cuda.is_available():
         with pytest.warns(UserWarning, match="CUDA is not available"):
@@ -352,7 +358,8 @@ def test_fused_optimizer_path_reads_nothing_on_the_host(monkeypatch) -> None:
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
             if step == 1:
                 model[0].bias.grad[0] = float("inf")
-            result = scaler.step(opt)
+            assert scaler.step(opt) is None
+            result = scaler.last_step
             scaler.update()
         assert isinstance(result.applied, torch.Tensor)
         assert isinstance(scaler._rest[0], torch.Tensor)  # ampscale's counters are tensors too
@@ -861,17 +868,20 @@ def test_the_loss_rule_which_scale_calls_count_for_which_step() -> None:
     with torch.no_grad():
         scaler.scale(torch.tensor(float("inf")))  # for logging: never counts
     scaler.scale(torch.nn.functional.mse_loss(a(x), y)).backward()
-    assert scaler.step(opt_a).applied is True  # stepped before the bad loss
+    scaler.step(opt_a)
+    assert scaler.last_step.applied is True  # stepped before the bad loss
     bad = torch.nn.functional.mse_loss(b(x), y) + torch.tensor(float("inf"))
     scaler.scale(bad).backward()
-    assert scaler.step(opt_b).applied is False
+    scaler.step(opt_b)
+    assert scaler.last_step.applied is False
     scaler.update()
     assert scaler.get_scale() == 2.0**15  # one backoff
     assert scaler.scaler.outcome.to_dict()["reason"] == "loss"
     for opt, model in ((opt_a, a), (opt_b, b)):  # the next iteration starts clean
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        assert scaler.step(opt).applied is True
+        scaler.step(opt)
+        assert scaler.last_step.applied is True
     scaler.update()
 
 

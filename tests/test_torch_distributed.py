@@ -127,7 +127,8 @@ def _world_group(rank: int) -> dict:
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     if rank == 0:
         model[0].weight.grad[0, 0] = float("inf")  # only rank 0 overflows
-    applied = bool(scaler.step(opt).applied)
+    scaler.step(opt)
+    applied = bool(scaler.last_step.applied)
     scaler.update()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     return {"applied": applied, "unchanged": unchanged, "scale": scaler.get_scale()}

@@ -326,14 +326,17 @@ def test_one_meta_call_does_not_poison_the_thread() -> None:
     seen: list[Any] = []
 
     def fresh_thread() -> None:  # its per-thread caches start empty
-        scaler.unscale([torch.ones(3, device="meta")])
+        try:
+            scaler.unscale([torch.ones(3, device="meta")])
+        except ValueError as exc:  # a meta tensor has no values: refused (issue 24)
+            seen.append("meta tensor" in str(exc))
         grads, finite = scaler.unscale([torch.full((3,), 4.0)])
         seen.extend([finite.device.type, bool(finite), grads[0].tolist()])
 
     worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
-    assert seen == ["cpu", True, [2.0, 2.0, 2.0]]
+    assert seen == [True, "cpu", True, [2.0, 2.0, 2.0]]
 
 
 @torch_only
@@ -353,6 +356,13 @@ def test_cache_property_interleaved_devices_dtypes_and_threads(calls: list) -> N
 
     def one(device: str, dtype: str) -> None:
         grads = [torch.full((5,), 4.0, dtype=getattr(torch, dtype), device=device) for _ in range(2)]
+        if device == "meta":  # no values: refused, and nothing cached for the next call
+            try:
+                scaler.unscale(grads)
+            except ValueError:
+                return
+            failures.append("a meta tensor was not refused")
+            return
         out, finite = scaler.unscale(grads)
         if finite.device.type != device:
             failures.append(f"flag on {finite.device} for {device}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ampscale import _tree
 from ampscale._core import INT_FIELDS, ScalerState, transition
@@ -20,11 +20,19 @@ from ampscale._native.cuda._packed import PackedState
 from ampscale._ops import ArrayOps, HostOps
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ampscale._config import ScalerConfig
 
-__all__ = ["FRAMEWORK_MODULES", "Backend", "adapter_ready", "framework_of", "may_overlap_itself", "when_adapter_ready"]
+__all__ = [
+    "FRAMEWORK_MODULES",
+    "Backend",
+    "adapter_ready",
+    "framework_of",
+    "leaf_error",
+    "leaf_label",
+    "may_overlap_itself",
+    "name_leaves",
+    "when_adapter_ready",
+]
 
 #: top-level module of an array type -> the name of the backend for it
 FRAMEWORK_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax", "cupy": "cupy"}
@@ -86,21 +94,80 @@ def may_overlap_itself(shape: Sequence[int], strides: Sequence[int], itemsize: i
     return False
 
 
+def leaf_label(index: int, paths: Sequence[str] | None = None) -> str:
+    """How an error names leaf ``index``: by its path in the tree where it is known, and its index.
+
+    ``"['b'] (leaf [1] in tree order)"``, ``"layer.weight (leaf [0] in tree order)"``; a flat
+    list's path is its index: ``"[1] (in tree order)"``.
+    """
+    path = paths[index] if paths is not None and 0 <= index < len(paths) else None
+    if path is None or path == f"[{index}]":
+        return f"[{index}] (in tree order)"
+    return f"{path} (leaf [{index}] in tree order)"
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def leaf_error(kind: type[E], template: str, *indices: int, paths: Sequence[str] | None = None) -> E:
+    """An exception whose message names leaves: ``template`` with ``{}`` for each of ``indices``.
+
+    Backends raise these where they know only the leaves' indices (deep in an unscale); the
+    caller that knows the tree renames them by path with :func:`name_leaves` before the error
+    reaches the user. The one mechanism every backend and every leaf error goes through.
+    """
+    exc = kind(template.format(*(leaf_label(i, paths) for i in indices)))
+    exc.leaf_template = template  # type: ignore[attr-defined]
+    exc.leaf_indices = indices  # type: ignore[attr-defined]
+    return exc
+
+
+def name_leaves(exc: BaseException, paths: Sequence[str] | Callable[[], Sequence[str]] | None) -> None:
+    """Rewrite the message of an error from :func:`leaf_error` with the leaves' paths.
+
+    ``paths``: every leaf's path in tree order, or a function that computes them (called only
+    here, on the error path). Errors of any other kind are left as they are.
+    """
+    template = getattr(exc, "leaf_template", None)
+    if template is None or paths is None:
+        return
+    try:
+        names = paths() if callable(paths) else paths
+    except Exception:  # naming must never hide the error itself
+        return
+    exc.args = (template.format(*(leaf_label(i, names) for i in exc.leaf_indices)), *exc.args[1:])  # type: ignore[attr-defined]
+
+
 def overlap_error(first: int, second: int) -> AliasedGradientsError:
     """The error for two gradients (leaf indices in tree order) that share memory in part."""
-    return AliasedGradientsError(
-        f"gradients [{first}] and [{second}] (in tree order) share memory in part: unscaling both "
-        "would change the shared values twice, and no order of the two is right. Pass each buffer "
-        "once (the same array twice is fine: it is unscaled once)"
+    return leaf_error(
+        AliasedGradientsError,
+        "gradients {} and {} share memory in part: unscaling both would change the shared values "
+        "twice, and no order of the two is right. Pass each buffer once (the same array twice is "
+        "fine: it is unscaled once)",
+        first,
+        second,
     )
 
 
 def internal_overlap_error(index: int, shape: Any, strides: Any, remedy: str) -> AliasedGradientsError:
     """The error for a gradient whose own elements may share memory (a stride of 0)."""
-    return AliasedGradientsError(
-        f"gradient [{index}] (in tree order) has elements that share memory (strides {tuple(strides)} "
-        f"for shape {tuple(shape)}): unscaling it in place would change them more than once; pass a "
-        f"copy ({remedy})"
+    return leaf_error(
+        AliasedGradientsError,
+        f"gradient {{}} has elements that share memory (strides {tuple(strides)} for shape "
+        f"{tuple(shape)}): unscaling it in place would change them more than once; pass a copy ({remedy})",
+        index,
+    )
+
+
+def meta_error(index: int, what: str = "gradient") -> ValueError:
+    """The error for a leaf without data (a torch ``meta`` tensor): nothing to check or unscale."""
+    return leaf_error(
+        ValueError,
+        f"{what} {{}} is a meta tensor: it has a shape and a dtype but no values, so it cannot be "
+        "checked or unscaled (a finite flag for it would be a guess); compute the gradients on a real "
+        "device (materialise the model with to_empty() and load its weights first)",
+        index,
     )
 
 
@@ -150,25 +217,30 @@ class Backend(abc.ABC):
     def is_floating_dtype(self, dtype: Any) -> bool:
         """Whether ``dtype`` is a real floating-point dtype."""
 
-    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> set[Any] | None:
         """Raise ``TypeError`` unless every leaf is a floating array of this backend.
 
         One pass over the leaves' types and one over their dtypes (sets), so that thousands of
         leaves cost microseconds; the offending leaf is looked up only to name it in the error.
-        Nothing is modified before this check passes.
+        Nothing is modified before this check passes. Returns the set of the leaves' dtypes
+        (``None`` where a backend does not collect it).
         """
         for kind in set(map(type, leaves)):
             if not self.owns_type(kind):
                 index = next(i for i, leaf in enumerate(leaves) if type(leaf) is kind)
                 self._reject(leaves, spec, index, what)
-        for dtype in {leaf.dtype for leaf in leaves}:
+        dtypes = {leaf.dtype for leaf in leaves}
+        for dtype in dtypes:
             if not self.is_floating_dtype(dtype):
                 index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
-                path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
-                raise TypeError(
-                    f"{what} {path} has dtype {self.dtype_name(leaves[index])}; it must be "
-                    "floating point (float16, bfloat16, float32 or float64)"
+                raise leaf_error(
+                    TypeError,
+                    f"{what} {{}} has dtype {self.dtype_name(leaves[index])}; it must be floating point "
+                    "(float16, bfloat16, float32 or float64)",
+                    index,
+                    paths=self.leaf_paths(spec) if spec is not None else None,
                 )
+        return dtypes
 
     def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
         """Register the scaler classes with the framework where it needs them (JAX: as pytrees).
@@ -184,19 +256,25 @@ class Backend(abc.ABC):
 
     def _reject(self, leaves: Sequence[Any], spec: Any, index: int, what: str) -> None:
         leaf = leaves[index]
-        path = self.leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+        paths = self.leaf_paths(spec) if spec is not None else None
         kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
         other = framework_of(leaf)
         if other is not None:
-            raise TypeError(
-                f"{what} {path} is a {other} array ({kind}), but this call is handled by "
+            raise leaf_error(
+                TypeError,
+                f"{what} {{}} is a {other} array ({kind}), but this call is handled by "
                 f"the {self.name} backend (the scaler's, or that of the other arrays): one call "
                 "takes one framework's arrays; move a scaler between frameworks with "
-                "create_scaler(backend=...).load_state_dict(scaler.state_dict())"
+                "create_scaler(backend=...).load_state_dict(scaler.state_dict())",
+                index,
+                paths=paths,
             )
-        raise TypeError(
-            f"{what} {path} is a {kind}, not a {self.name} array; every leaf must be a "
-            "floating-point array (None leaves are skipped)"
+        raise leaf_error(
+            TypeError,
+            f"{what} {{}} is a {kind}, not a {self.name} array; every leaf must be a "
+            "floating-point array (None leaves are skipped)",
+            index,
+            paths=paths,
         )
 
     # -- the fused hot path -------------------------------------------------------------------

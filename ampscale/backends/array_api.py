@@ -43,12 +43,12 @@ class ArrayApiBackend(Backend):
     def owns_type(self, kind: type) -> bool:
         return kind in self._types
 
-    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> set[Any] | None:
         for leaf in leaves:  # learn this namespace's array types from one instance each
             kind = type(leaf)
             if kind not in self._types and self.owns(leaf):
                 self._types.add(kind)
-        super().validate(leaves, spec, what)
+        return super().validate(leaves, spec, what)
 
     def is_floating_dtype(self, dtype: Any) -> bool:
         xp = self.xp

@@ -108,8 +108,8 @@ class JaxBackend(Backend):
     def is_floating_dtype(self, dtype: Any) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.floating))
 
-    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
-        super().validate(leaves, spec, what)
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> set[Any] | None:
+        dtypes = super().validate(leaves, spec, what)
         # Eagerly, leaves committed to different devices cannot meet in one computation: say so
         # here, naming the devices, rather than let XLA fail later. (Traced values have none.)
         placements = {
@@ -123,6 +123,7 @@ class JaxBackend(Backend):
                 f"{what}s are committed to different devices ({', '.join(names)}); one call takes arrays "
                 "on one device or with one sharding: jax.device_put them together first"
             )
+        return dtypes
 
     def flatten(self, tree: Any) -> tuple[list[Any], Any]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)

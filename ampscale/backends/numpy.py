@@ -173,7 +173,12 @@ class NumpyBackend(Backend):
                 rest = [i for i in indices if not _native_ok(leaves[i], multiply)]
                 if usable:
                     arrays = [leaves[i].view(np.uint16) if kind == 1 else leaves[i] for i in usable]
-                    finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
+                    if _tiny is not None:  # underflow tracking: these leaves are counted too
+                        group_finite, count = _native.check_and_unscale(arrays, kind, inv, multiply, self.threads, True)
+                        finite &= group_finite
+                        _tiny[0] += count
+                    else:
+                        finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
                 leftovers.extend(rest)
         if leftovers:
             leaves, rest_finite = self._fallback(leaves, inv, multiply, leftovers, _tiny)

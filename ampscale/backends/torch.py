@@ -41,7 +41,15 @@ from ampscale._native.cuda._packed import (
     offset_of,
 )
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
-from ampscale.backends._base import Backend, adapter_ready, internal_overlap_error, may_overlap_itself, overlap_error
+from ampscale.backends._base import (
+    Backend,
+    adapter_ready,
+    internal_overlap_error,
+    leaf_error,
+    may_overlap_itself,
+    meta_error,
+    overlap_error,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -182,11 +190,14 @@ def _refuse_dtypes(
     """``TypeError`` for a dtype the kernel cannot unscale (integers, complex, float8, ...)."""
     for dtype in dtypes - _UNSCALABLE:
         index = next(i for i, leaf in enumerate(leaves) if leaf.dtype == dtype)
-        path = (backend or BACKEND).leaf_paths(spec)[index] if spec is not None else f"[{index}]"
+        paths = (backend or BACKEND).leaf_paths(spec) if spec is not None else None
         kind = "a floating-point dtype ampscale does not unscale" if dtype.is_floating_point else "not floating point"
-        raise TypeError(
-            f"{what} {path} has dtype {str(dtype).replace('torch.', '')} ({kind}); it must be float16, "
-            "bfloat16, float32 or float64"
+        raise leaf_error(
+            TypeError,
+            f"{what} {{}} has dtype {str(dtype).replace('torch.', '')} ({kind}); it must be float16, "
+            "bfloat16, float32 or float64",
+            index,
+            paths=paths,
         )
 
 
@@ -230,6 +241,8 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | N
         return leaves
     if len(leaves) == 1:
         leaf = leaves[0]
+        if leaf.is_meta:
+            raise meta_error(0)
         if leaf.is_sparse or _IS_CONTIGUOUS(leaf):
             return leaves
         return _self_overlaps(leaves, writes)
@@ -237,6 +250,8 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | N
         pointers = list(map(_DATA_PTR, leaves))
     except RuntimeError:  # sparse tensors have no data pointer: their values are what changes
         return _distinct_memory_sparse(leaves, writes)
+    if 0 in pointers:  # empty tensors, or meta tensors (no data at all): refused
+        _refuse_meta(leaves, pointers)
     dense = all(map(_IS_CONTIGUOUS, leaves))
     if not dense:
         leaves = _self_overlaps(leaves, writes)
@@ -271,6 +286,13 @@ def _distinct_memory(leaves: list[torch.Tensor], writes: bool, itemsize: int | N
     if not np.any((low[1:] < reach[:-1]) & (sizes[order][1:] > 0)):
         return leaves
     return _resolve_overlaps(leaves, [int(i) for i in order], starts, sizes)
+
+
+def _refuse_meta(leaves: list[torch.Tensor], pointers: list[int]) -> None:
+    """Raise for the first meta tensor among the leaves without memory (a check, before any change)."""
+    for index, (leaf, pointer) in enumerate(zip(leaves, pointers, strict=True)):
+        if pointer == 0 and leaf.is_meta:
+            raise meta_error(index)
 
 
 def _span_bytes(t: torch.Tensor) -> int:
@@ -763,13 +785,13 @@ class TorchBackend(Backend, CudaStep):
             found_inf = sum(f.to(first.device, non_blocking=True) for f in found.values())
         return list(leaves), found_inf.logical_not()  # a new tensor: the scratch flag stays ours
 
-    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> None:
+    def validate(self, leaves: Sequence[Any], spec: Any, what: str = "gradient") -> set[Any] | None:
         plain = _scratch.__dict__.pop("plain", None) is leaves  # flatten() made this list
         if len(leaves) == 1:  # the common loss / single-tensor case, without building sets
             leaf = leaves[0]
             if type(leaf) in _PLAIN_TYPES and leaf.dtype in _UNSCALABLE:
                 _scratch.validated = None
-                return
+                return {leaf.dtype}
         if not plain:
             types = set(map(type, leaves))
             for kind in types:
@@ -781,9 +803,39 @@ class TorchBackend(Backend, CudaStep):
         _refuse_dtypes(leaves, dtypes, spec, what, self)
         # check_and_unscale, called next with this list, reuses what was learnt (one pass each)
         _scratch.validated = (leaves, dtypes, plain)
+        return dtypes
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:
         return self.check_and_unscale(leaves, None)[1]
+
+    def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
+        """:meth:`check_and_unscale`, and the fraction of scaled values that are zero or subnormal.
+
+        Counted on the inputs, before they are unscaled, with one reduction per leaf and no
+        host read (a 0-d float64 tensor on the first leaf's device; float32 on MPS). Dense
+        tensors count every element, strided views and read-only ones included; a sparse
+        gradient (``nn.Embedding(sparse=True)``) counts its stored values, the rows the batch
+        touched. Refusals (shared memory, meta tensors) come first: nothing is counted or
+        changed for a tree that will be refused.
+        """
+        grads = list(leaves)
+        _distinct_memory(grads, inv_scale is not None)  # refuse before any work
+        tiny: dict[torch.device, torch.Tensor] = {}
+        total = 0
+        with _no_grad():
+            for leaf in grads:
+                values = leaf._values() if leaf.is_sparse else leaf
+                count = (values.abs() < torch.finfo(values.dtype).tiny).sum()
+                previous = tiny.get(values.device)
+                tiny[values.device] = count if previous is None else previous + count
+                total += values.numel()
+        out, finite = self.check_and_unscale(grads, inv_scale)
+        home = grads[0].device if grads else torch.device("cpu")
+        wide = torch.float64 if self.has_float64(grads[0] if grads else None) else torch.float32
+        counted = torch.zeros((), dtype=wide, device=home)
+        for count in tiny.values():
+            counted += count.to(home, non_blocking=True)
+        return out, finite, counted / max(total, 1)
 
     # -- state ------------------------------------------------------------------------------
     def host(self, state: ScalerState) -> bool:
@@ -1030,7 +1082,9 @@ class TorchBackend(Backend, CudaStep):
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         out = []
-        for leaf in leaves:
+        for index, leaf in enumerate(leaves):
+            if leaf.is_meta:
+                raise meta_error(index)
             values = leaf._values() if leaf.is_sparse else leaf
             out.append(
                 (
