@@ -17,6 +17,11 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+if os.environ.get("AMPSCALE_FAKE_CUPY") == "1":  # a NumPy-backed CuPy over the kernels' host build
+    from tests.fake_cuda import install_fake_cupy_for_the_session
+
+    install_fake_cupy_for_the_session()
+
 try:
     import ml_dtypes
 

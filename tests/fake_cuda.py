@@ -209,6 +209,9 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
     """A ``cupy`` module over NumPy (see the module docstring); ``state`` records what it saw."""
     state = state or FakeCupyState()
     cp = types.ModuleType("cupy")
+    import importlib.machinery
+
+    cp.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
     cp.__version__ = "0-fake"  # type: ignore[attr-defined]
     cp._fake_state = state  # type: ignore[attr-defined]
 
@@ -412,3 +415,28 @@ def cupy_on_host(monkeypatch: Any, compile_for_real: bool = False) -> Iterator[t
         yield cp, module
     finally:
         sys.modules.pop("ampscale.backends.cupy", None)
+
+
+def install_fake_cupy_for_the_session() -> None:
+    """Put :func:`fake_cupy` in place of ``cupy`` for a whole test session (``AMPSCALE_FAKE_CUPY=1``:
+    ``tests/conftest.py`` calls this before anything imports cupy), so that every test that runs
+    on CuPy, the shared contract tests included (``-m gpu -k cupy``), runs once against the host
+    build of the kernels. Never set in CI: it replaces a real CuPy."""
+    from ampscale._native.cuda import nvrtc
+
+    state = FakeCupyState()
+    sys.modules["cupy"] = fake_cupy(state)
+    real_compiled = nvrtc.compiled
+
+    def compiled(source: str, arch: int, options: Any = (), name: str = "ampscale.cu") -> tuple[bytes, str]:
+        image = b"host-build:" + hashlib.sha256(source.encode()).digest()
+        state.sources[image] = source
+        return image, "cubin"
+
+    compiled.real = real_compiled  # type: ignore[attr-defined]
+    nvrtc.compiled = compiled  # type: ignore[assignment]
+    import array_api_compat.numpy as xp_numpy
+
+    from ampscale.backends import cupy as module
+
+    module.CupyBackend.namespace = lambda self: xp_numpy  # type: ignore[method-assign]

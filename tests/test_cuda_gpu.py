@@ -449,6 +449,25 @@ def test_a_float32_subnormal_is_unscaled_exactly(device: Device) -> None:
         np.testing.assert_array_equal(device.numpy(got.view(device.torch.int16)), want16.view(np.int16))
 
 
+@pytest.mark.parametrize("device", ALL, indirect=True)
+def test_grad_dtype_promote_on_the_one_launch_path(device: Device) -> None:
+    """``grad_dtype="promote"``: float16 gradients come back as new float32 arrays, unscaled and
+    checked in float32, on the fused path as on the others (a float16 value that doubles past
+    65504 stays finite)."""
+    scaler = ampscale.create_scaler(
+        backend=device.framework, preset="jmp", init_scale=0.5, min_scale=0.25, grad_dtype="promote"
+    )
+    grads = {
+        "g": device.array(np.asarray([60000.0, 3.0], np.float16)),
+        "w": device.array(np.asarray([2.0], np.float32)),
+    }
+    out, finite = scaler.unscale(grads)
+    assert bool(device.numpy(finite))
+    assert str(device.numpy(out["g"]).dtype) == "float32"
+    assert device.numpy(out["g"]).tolist() == [120000.0, 6.0]
+    assert device.numpy(grads["g"]).tolist() == [60000.0, 3.0]  # the float16 gradient is untouched
+
+
 def _float16_grad_scaler() -> type:
     import torch
 

@@ -357,6 +357,8 @@ class CupyBackend(Backend, CudaStep):
         # scale_floor is not needed: ampscale's kernel checks the values it writes
         if not isinstance(state, PackedState):
             return None
+        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
+            leaves = self.promote(leaves)
         device_id = state.buffer.data.device_id
         rows, strided = self._rows(leaves)
         if strided or any(d != device_id for d in rows):

@@ -929,6 +929,8 @@ class TorchBackend(Backend, CudaStep):
     ) -> tuple[list[Any], Any, Any] | None:
         if not isinstance(state, PackedState):
             return None
+        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
+            leaves = self.promote(leaves)
         device = state.buffer.device
         module = _cuda_module(config, device)
         # every memory location once, and refusals before anything changes (as check_and_unscale)
