@@ -440,3 +440,13 @@ def install_fake_cupy_for_the_session() -> None:
     from ampscale.backends import cupy as module
 
     module.CupyBackend.namespace = lambda self: xp_numpy  # type: ignore[method-assign]
+
+
+def install_torch_cuda_path_for_the_session() -> None:
+    """CPU tensors down the torch backend's CUDA code path for a whole session
+    (``AMPSCALE_FAKE_TORCH_CUDA=1``: see ``tests/conftest.py``), so that the shared contract
+    tests of the ``torch`` framework (``-k torch``) run once as they would on ``torch-cuda``,
+    against the host build of the kernels. Never set in CI: the CPU paths are then not tested."""
+    import pytest
+
+    torch_on_host(pytest.MonkeyPatch()).__enter__()
