@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import ampscale
@@ -309,6 +309,7 @@ class BatchKernel:
 @settings(
     max_examples=1,
     deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: each example is one compile
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
