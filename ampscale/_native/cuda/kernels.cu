@@ -1,6 +1,7 @@
 // ampscale's CUDA kernels: the fused multi-tensor check + unscale, with the state transition in
-// its last block, and the one-thread state update. Compiled with NVRTC (through CuPy, or by
-// ampscale._native.cuda for torch) or nvcc, with --fmad=false --ftz=false; no header is included.
+// its last block, and the one-thread state update. Compiled by ampscale._native.cuda.nvrtc (for
+// torch, CuPy and JAX alike: CuPy only loads the binary) or nvcc, with --fmad=false --ftz=false;
+// no header is included.
 //
 // The source is prefixed, per configuration, with ampscale._codegen.C_PRELUDE and
 // c_transition(config): they define struct ampscale_State (the packed state: every field, the
