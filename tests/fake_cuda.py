@@ -311,6 +311,14 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
         def is_capturing(self) -> bool:
             return state.capturing
 
+        def record(self, event: Any = None) -> Any:
+            event = event or Event()
+            event.record(self)
+            return event
+
+        def wait_event(self, event: Any) -> None:
+            return None
+
         def synchronize(self) -> None:
             return None
 

@@ -137,6 +137,15 @@ class Device:
             with stream:
                 yield
 
+    def wait(self, later: Any, earlier: Any) -> None:
+        """Order stream ``later`` after the work queued on ``earlier`` so far (no host wait)."""
+        if self.host:
+            return
+        if self.framework == "torch":
+            later.wait_stream(earlier)
+        else:
+            later.wait_event(earlier.record())
+
     def sync(self) -> None:
         if self.host:
             return
@@ -660,9 +669,11 @@ def test_a_state_used_on_another_stream_is_kept_alive_there(device: Device) -> N
     grads = [device.array(np.full(1000, 4.0, np.float32))]
     if device.framework == "torch":  # a bfloat16 gradient too: ampscale's kernel and its chunk table
         grads.append(device.array(np.full(1000, 4.0, np.float32)).to(device.torch.bfloat16))
+    device.sync()  # the copies above ran on the default stream
     with device.use(first):
         scaler = ampscale.create_scaler(backend=device.framework, init_scale=2.0)
         scaler = scaler.update(scaler.unscale(grads)[1])  # state and table made on `first`
+    device.wait(second, first)  # as a program must: the state and gradients come from `first`
     with device.use(second):
         state = scaler._state
         _, finite = scaler.unscale(grads)
@@ -693,12 +704,14 @@ def test_graph_capture_is_refused_before_anything_changes(device: Device) -> Non
     scaler = ampscale.create_scaler(backend=device.framework, init_scale=2.0)
     scaler = scaler.update(scaler.unscale(grads)[1])
     before = device.numpy(grads[0]).copy()
+    flag = device.flag(True)  # made before the capture (a host-to-device copy cannot be captured)
+    device.sync()
     with _capturing(device), pytest.raises(RuntimeError, match="CUDA graph capture"):
         scaler.unscale(grads)
     device.sync()
     np.testing.assert_array_equal(device.numpy(grads[0]), before)
     with _capturing(device), pytest.raises(RuntimeError, match="CUDA graph capture"):
-        scaler.update(device.flag(True))
+        scaler.update(flag)
 
 
 @contextlib.contextmanager
