@@ -550,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         forget_arrays()
         gc.collect()
         print(f"  {workload} done", file=sys.stderr, flush=True)
+        if args.json:  # after every workload: a run stopped at a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
     print(report(results, args.markdown))
     if args.json:
         with open(args.json, "w") as f:

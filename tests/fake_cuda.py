@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import os
 import pathlib
 import subprocess
 import sys
@@ -67,9 +68,10 @@ def harness_for_source(source: str, directory: pathlib.Path | None = None) -> ct
         directory = directory or build_directory()
         lib = directory / f"module-{key}.so"
         if not lib.exists():
-            cpp = directory / f"module-{key}.{threading.get_ident()}.cpp"
+            mine = f"{os.getpid()}-{threading.get_ident()}"  # several test processes may build it at once
+            cpp = directory / f"module-{key}.{mine}.cpp"
             cpp.write_text(source)
-            partial = directory / f"module-{key}.{threading.get_ident()}.so"
+            partial = directory / f"module-{key}.{mine}.so"
             command = [cxx, "-DAMPSCALE_HOST_TEST", "-std=c++17", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing"]
             subprocess.run([*command, "-o", str(partial), str(cpp)], check=True, timeout=300)
             partial.replace(lib)

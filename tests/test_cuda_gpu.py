@@ -23,6 +23,7 @@ import contextlib
 import copy
 import ctypes
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -260,9 +261,13 @@ class BatchKernel:
                 pytest.skip("no C++ compiler")
             lib = build_directory() / f"batch-{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
             if not lib.exists():
-                cpp = lib.with_suffix(".cpp")
+                mine = f"{os.getpid()}"  # several test processes may build it at once
+                cpp = lib.with_suffix(f".{mine}.cpp")
                 cpp.write_text(source)
-                subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-o", str(lib), str(cpp)], check=True)
+                partial = lib.with_suffix(f".{mine}.so")
+                subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-o", str(partial), str(cpp)], check=True)
+                partial.replace(lib)
+                cpp.unlink()
             self.so = ctypes.CDLL(str(lib))
             self.so.batch_transitions.argtypes = [ctypes.c_longlong] + [ctypes.c_void_p] * 5 + [ctypes.c_longlong]
             return
