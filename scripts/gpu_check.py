@@ -400,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         run.report["stopped"] = line
         run.status = 1
         run.save()
+        shutil.rmtree(run.work, ignore_errors=True)
         return 1
 
     # 1. machine
