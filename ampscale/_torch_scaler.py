@@ -31,9 +31,11 @@ from ampscale._config import (
 )
 from ampscale._core import ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, StateDictError
+from ampscale._native.cuda._packed import FLAG_BAD_BOOL, FLAG_FALSE, FLAG_FOUND_INF, FLAG_TRUE, PackedState
 from ampscale._ops import HostOps
 from ampscale._scaler import Scaler, _PendingScaler
 from ampscale._state_dict import check_scale, from_state_dict, to_state_dict
+from ampscale.backends import torch as _torch_backend
 from ampscale.backends._base import Backend, name_leaves
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 
@@ -295,6 +297,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         # then Python numbers (CPU) or 0-d tensors beside _scale
         self._init_rest: tuple[Any, ...] = tuple(start[2:])
         self._rest: tuple[Any, ...] | None = None
+        # on CUDA: the packed record whose views _rest holds (update() is one in-place kernel)
+        self._record: PackedState | None = None
         self._reset_loss_flags()
         self._step_applied: bool | None = None
         self._scale_view, self._tracker_view = _HostView(), _HostView()
@@ -373,7 +377,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             return Scaler(self._config, self._host_values(), BACKEND)
         assert self._growth_tracker is not None
         assert self._rest is not None
-        state = ScalerState(self._scale.clone(), self._growth_tracker.clone(), *self._rest)
+        # clones: on CUDA update() rewrites the fields in place, and a snapshot must not move
+        state = ScalerState(self._scale.clone(), self._growth_tracker.clone(), *(v.clone() for v in self._rest))
         return Scaler(self._config, state, BACKEND)
 
     def _host_values(self) -> ScalerState:
@@ -409,14 +414,29 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         wide = config.scale_dtype == "float64" and BACKEND.has_float64(torch.empty((), device=device))
         return torch.float64 if wide else torch.float32
 
-    def _device_rest(
-        self, values: ScalerState, config: ScalerConfig, beside: torch.Tensor | None = None
-    ) -> tuple[Any, ...]:
-        """ampscale's other fields as 0-d tensors beside ``_scale`` (or ``beside``)."""
-        like = self._scale if beside is None else beside
-        assert like is not None
+    def _device_rest(self, values: ScalerState, config: ScalerConfig) -> tuple[Any, ...]:
+        """ampscale's other fields as 0-d tensors beside ``_scale``, with ``_record`` set (see
+        :meth:`_device_fields`)."""
+        assert self._scale is not None
+        rest, self._record = self._device_fields(values, config, self._scale)
+        return rest
+
+    @staticmethod
+    def _device_fields(
+        values: ScalerState, config: ScalerConfig, like: torch.Tensor
+    ) -> tuple[tuple[Any, ...], PackedState | None]:
+        """``(rest, record)``: ampscale's other fields as 0-d tensors on ``like``'s device; nothing
+        of the scaler changes (``load_state_dict`` builds them before it replaces anything).
+
+        On CUDA, where ampscale's kernels load, they are views of one packed record, which the
+        one-launch update rewrites in place together with ``_scale`` and ``_growth_tracker``;
+        elsewhere separate tensors that the eager transition replaces at each update (no record).
+        """
+        if _torch_backend._cuda_module(config, like.device) is not None:  # CUDA, kernels loaded
+            record = _torch_backend._packed_from_values(values, config, like.device)
+            return tuple(record.view(name) for name in ScalerState._fields[2:]), record
         # the generic tensor state (the torch backend would keep CPU state as Python numbers)
-        return tuple(Backend.make_state(BACKEND, values, config, like)[2:])
+        return tuple(Backend.make_state(BACKEND, values, config, like)[2:]), None
 
     # -- scale ----------------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -857,7 +877,77 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             raise AssertionError("No inf checks were recorded prior to update.")
         return found_infs
 
+    def _update_in_place(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | bool | None:
+        """``update()`` on CUDA as one launch of ``ampscale_update_fields``: torch's flag (the
+        sum of several, if there are several) and the loss flag read on the device, ``_scale``,
+        ``_growth_tracker`` and the record of the other fields rewritten in place, no sync.
+        Returns ``False`` where it does not apply (the eager transition runs), else what
+        :meth:`_update_on_device` returns."""
+        record = getattr(self, "_record", None)  # (absent from pickles of older versions)
+        rest = self._rest
+        config = self._config
+        if record is None or not rest or rest[-1] is not record.view(ScalerState._fields[-1]):
+            return False
+        device = scale.device
+        module = _torch_backend._cuda_module(config, device)
+        wide = torch.float64 if config.scale_dtype == "float64" else torch.float32
+        if (
+            module is None
+            or record.scale_dtype != config.scale_dtype
+            or scale.dtype is not wide
+            or tracker.dtype is not torch.int32
+            or tracker.device != device
+            or record.buffer.device != device
+        ):
+            return False
+        # the scale's host bound and the per-optimizer flags live in Python: a graph replay
+        # would not move them, so an update under stream capture raises
+        _torch_backend._refuse_capture("GradScaler.update()")
+        flags = self._found_infs()
+        found = flags[0]
+        if len(flags) > 1 or found.device != device or found.dtype is not torch.float32:
+            total = found.to(device=device, dtype=torch.float32, non_blocking=True)
+            for flag in flags[1:]:
+                total = total + flag.to(device=device, dtype=torch.float32, non_blocking=True)
+            found = total
+        if self._loss_bad_on_host:
+            loss_ptr, loss_kind = 0, FLAG_FALSE
+        elif not self._loss_bad:
+            loss_ptr, loss_kind = 0, FLAG_TRUE
+        else:
+            bad: torch.Tensor | None = None
+            for flag in self._loss_bad.values():
+                moved = flag.to(device, non_blocking=True)
+                bad = moved if bad is None else bad.logical_or(moved)
+            assert bad is not None
+            loss_ptr, loss_kind = bad.data_ptr(), FLAG_BAD_BOOL
+        module.launch(
+            module.update_fields,
+            module.context,
+            1,
+            1,
+            _torch_backend._raw_stream(device),
+            scale.data_ptr(),
+            tracker.data_ptr(),
+            record.ptr,
+            found.data_ptr(),
+            FLAG_FOUND_INF,
+            loss_ptr,
+            loss_kind,
+        )
+        bound = getattr(self, "_scale_bound", None)
+        if bound is not None and bound[0] is scale and bound[1] == scale._version:
+            # the kernel wrote the scale without torch's version counter: the bound follows it
+            self._scale_bound = (scale, scale._version, float(self._lowest_after_update(bound[2])))
+        if config.on_floor != "ignore" and bool(record.view("floor_event")):  # the documented host read
+            return BACKEND.read_state(record)
+        return None
+
     def _update_on_device(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | None:
+        done = self._update_in_place(scale, tracker)
+        if done is not False:
+            return done  # type: ignore[return-value]
+        self._record = None  # the eager transition makes new tensors: _rest no longer views it
         home = scale.device
         combined: torch.Tensor | None = None
         for flag in self._found_infs():
@@ -988,12 +1078,13 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         scale, tracker = self._scale, self._growth_tracker
         new_scale: torch.Tensor | None = None
         rest: tuple[Any, ...] = tuple(values[2:])
+        record: PackedState | None = None
         if scale is not None and tracker is not None:
             dtype = self._scale_dtype(config, scale.device)
             if scale.dtype != dtype:
                 new_scale = torch.full((), values.scale, dtype=dtype, device=scale.device)
             if not _on_host(scale):
-                rest = self._device_rest(values, config, new_scale if new_scale is not None else scale)
+                rest, record = self._device_fields(values, config, new_scale if new_scale is not None else scale)
         # nothing above changed the scaler; from here on nothing can fail
         self._config = config
         self._preset = config.preset
@@ -1008,6 +1099,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
                 self._scale = new_scale
             tracker.fill_(values.growth_tracker)
             self._rest = rest
+            self._record = record
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -1025,6 +1117,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             state["_scale"] = None
             state["_growth_tracker"] = None
             state["_rest"] = None
+            state["_record"] = None
             state["_scale_view"], state["_tracker_view"] = _HostView(), _HostView()
             state["_host_ops"] = None
             state["_plain_scale"] = _UNCHECKED

@@ -8,6 +8,7 @@ step + update with a no-op optimizer), and the anchors: torch's fused kernel alo
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -91,9 +92,63 @@ def per_call_cases(workload: str) -> list[Case]:
     return out
 
 
+def cuda_update_cases(workload: str) -> list[Case]:
+    """``update()`` of ``ampscale.torch.GradScaler`` and of ``torch.amp.GradScaler`` on CUDA.
+
+    Each iteration scales one loss, then ``unscale_``, ``step`` (a no-op optimizer) and
+    ``update``; the row's time is the host's time in ``update()`` per call (nothing waits for
+    the GPU), and its launches are those of ``update()`` alone (torch's profiler).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = [t.cuda() for t in _tensors(workload)]
+    loss = torch.ones((), device="cuda", requires_grad=True)
+    out: list[Case] = []
+    for label, cls, anchor in (
+        ("ampscale.torch.GradScaler", amp_torch.GradScaler, False),
+        ("torch.amp.GradScaler", torch.amp.GradScaler, True),
+    ):
+        opt = _with_grads(grads)
+        scalers = [cls("cuda", init_scale=s, growth_interval=10**9) for s in SCALES]
+
+        def prepare(i: int, scalers: list[Any] = scalers, opt: NoOpOptimizer = opt) -> Any:
+            scaler = scalers[i % 2]
+            scaler.scale(loss)
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            return scaler
+
+        def iteration(i: int, prepare: Any = prepare) -> float:
+            scaler = prepare(i)
+            start = time.perf_counter()
+            scaler.update()
+            return time.perf_counter() - start
+
+        def launches(prepare: Any = prepare, calls: int = 4) -> float:
+            count = 0
+            for i in range(calls):
+                scaler = prepare(i)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    scaler.update()
+                    torch.cuda.synchronize()
+                count += sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+            return count / calls
+
+        case = Case("torch-cuda", workload, f"{label}.update (CUDA)", iteration, 0, anchor=anchor, group="update")
+        case.device, case.timed, case.sync, case.launches_of = "gpu", True, torch.cuda.synchronize, launches
+        case.note = "host time per call (no sync); launches of update() alone"
+        out.append(case)
+    return out
+
+
 def cases(workload: str) -> list[Case]:
+    gpu_only = os.environ.get("AMPSCALE_BENCH_GPU_ONLY") == "1"
     if workload == "N":
-        return per_call_cases(workload)
+        out = [] if gpu_only else per_call_cases(workload)
+        return out + (cuda_update_cases(workload) if torch.cuda.is_available() else [])
+    if gpu_only:
+        return cuda_cases(workload) if torch.cuda.is_available() else []
     out: list[Case] = []
     dtype = WORKLOADS[workload][1]
 

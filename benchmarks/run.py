@@ -16,7 +16,10 @@ and to the best anchor installed, all measured in the same run:
 * **N** (torch only): the cost of each call of a ``GradScaler`` (``scale``, ``unscale_``,
   ``step``, ``update``) in a nanoGPT-style iteration (40 micro-steps, each one ``scale()``,
   then ``unscale_``, ``step`` and ``update``) over a small GPT's 52 parameters; each row times
-  one kind of call, per call, against ``torch.amp.GradScaler``'s same call.
+  one kind of call, per call, against ``torch.amp.GradScaler``'s same call. On CUDA: the
+  ``update()`` of both classes, host time per call and the launches of that call alone.
+
+``--gpu-only`` keeps the GPU rows and the GPU's L (``scripts/gpu-check.sh``).
 * Anchors: naive NumPy (``isfinite().all()`` + multiply per array), torch's fused kernel
   ``_amp_foreach_non_finite_check_and_unscale_``, ``torch.amp.GradScaler`` (unscale_ + step +
   update with a no-op optimizer), jmp (jitted ``unscale`` + ``all_finite`` + ``adjust``), and a
@@ -87,10 +90,27 @@ WORKLOADS: dict[str, tuple[list[tuple[int, ...]], str]] = {
 PER_CALL_WORKLOADS = {"N": ("torch",)}
 
 
+_made: dict[tuple[str, int], list[np.ndarray]] = {}  # the current workload's arrays, drawn once
+
+
 def make_arrays(workload: str, seed: int = 0) -> list[np.ndarray]:
-    shapes, dtype = WORKLOADS[workload]
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) for shape in shapes]
+    """The workload's arrays (a new copy at every call: drawing W1's 124 M values takes seconds,
+    copying them a fraction of that; the draws are kept until :func:`forget_arrays`)."""
+    key = (workload, seed)
+    made = _made.get(key)
+    if made is None:
+        shapes, dtype = WORKLOADS[workload]
+        rng = np.random.default_rng(seed)
+        made = _made[key] = [rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False) for shape in shapes]
+    return [a.copy() for a in made]
+
+
+def forget_arrays() -> None:
+    """Drop the kept draws (the row modules import this file as ``run``: its copy too)."""
+    _made.clear()
+    other = sys.modules.get("run")
+    if other is not None:
+        getattr(other, "_made", {}).clear()
 
 
 def nbytes(arrays: list[Any]) -> int:
@@ -114,6 +134,7 @@ class Case:
     group: str = ""  # compared with the anchors of its own group only (per-call rows: the call)
     timed: bool = False  # step returns the seconds of the part it stands for (per-call rows)
     steps_per_call: int = 1  # a call of `step` runs this many training steps (a jitted loop)
+    launches_of: Callable[[], float] | None = None  # GPU rows that count one call's launches themselves
 
 
 @dataclasses.dataclass
@@ -212,8 +233,8 @@ def measure(cases: list[Case], steps: int, rounds: int) -> list[Result]:
     for c in cases:
         launches = host_us = None
         if c.device == "gpu" and not c.limit:
-            launches = launches_per_step(c)
-            host_us = host_microseconds(c)
+            launches = c.launches_of() if c.launches_of is not None else launches_per_step(c)
+            host_us = None if c.timed else host_microseconds(c)
         results.append(
             Result(
                 c.backend,
@@ -491,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (noisier)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    parser.add_argument(
+        "--gpu-only", action="store_true", help="only the GPU rows and the GPU's L (no CPU rows: scripts/gpu-check.sh)"
+    )
     args = parser.parse_args(argv)
+    if args.gpu_only:
+        os.environ["AMPSCALE_BENCH_GPU_ONLY"] = "1"  # read by the row providers
     backends = [b for b in args.backends.split(",") if b]
     unknown = [b for b in backends if b not in ROW_PROVIDERS]
     if unknown:
@@ -508,18 +534,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[Result] = []
     for workload in workloads:
-        cases = [limit_case(workload)]
+        cases = [] if args.gpu_only else [limit_case(workload)]
         for backend in backends:
             if backend in PER_CALL_WORKLOADS.get(workload, (backend,)):
                 cases += ROW_PROVIDERS[backend](workload)
+        if args.gpu_only:
+            cases = [c for c in cases if c.device == "gpu"]
         if any(c.device == "gpu" for c in cases):
             limit = gpu_limit(workload)
             if limit is not None:
                 results.append(limit[0])
-        results += measure(cases, **budget(workload, args.quick))
+        if cases:
+            results += measure(cases, **budget(workload, args.quick))
         del cases
+        forget_arrays()
         gc.collect()
         print(f"  {workload} done", file=sys.stderr, flush=True)
+        if args.json:  # after every workload: a run stopped at a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
     print(report(results, args.markdown))
     if args.json:
         with open(args.json, "w") as f:

@@ -17,6 +17,15 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+if os.environ.get("AMPSCALE_FAKE_CUPY") == "1":  # a NumPy-backed CuPy over the kernels' host build
+    from tests.fake_cuda import install_fake_cupy_for_the_session
+
+    install_fake_cupy_for_the_session()
+if os.environ.get("AMPSCALE_FAKE_TORCH_CUDA") == "1":  # CPU tensors down the torch CUDA code path
+    from tests.fake_cuda import install_torch_cuda_path_for_the_session
+
+    install_torch_cuda_path_for_the_session()
+
 try:
     import ml_dtypes
 

@@ -78,6 +78,26 @@ def test_module_compiles_with_nvrtc(arch: int, preset: str) -> None:
     check_ptx(ptx.decode(errors="replace").rstrip("\0"), f"sm_{arch}")
 
 
+def _entry(ptx: str, name: str) -> str:
+    """The PTX of one kernel (``.entry name`` up to the next entry or the end)."""
+    start = ptx.index(f".entry {name}")
+    end = ptx.find(".entry", start + 1)
+    return ptx[start : end if end != -1 else len(ptx)]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", [75, 80, 90])
+def test_bfloat16_is_narrowed_as_torch_does_on_the_device(arch: int) -> None:
+    """On sm_80 and later the kernel narrows float32 to bfloat16 with the device's own
+    ``cvt.rn.bf16.f32`` (what torch's c10::BFloat16 and XLA use there, so a NaN gets torch's
+    bits, 0x7fff); below sm_80, where that instruction does not exist, the software rounding."""
+    source = _plan.module_source(CONFIGS["torch"])
+    ptx = nvrtc.compile_source(source, arch, _plan.COMPILE_OPTIONS, ptx=True)[0].decode(errors="replace")
+    step = _entry(ptx, "ampscale_step")
+    assert ("cvt.rn.bf16.f32" in step) is (arch >= 80)
+    assert ".ftz" not in ptx
+
+
 @needs_nvrtc
 def test_nvrtc_builds_a_cubin_and_caches_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AMPSCALE_CACHE_DIR", str(tmp_path))
@@ -132,6 +152,8 @@ def build_harness(config, directory: pathlib.Path) -> ctypes.CDLL:
     so.ampscale_host_step.argtypes = [p, q, ctypes.c_ulonglong, q, q, q, ctypes.c_float, p, p, p, q, ctypes.c_int]
     so.ampscale_host_step.restype = ctypes.c_int
     so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
+    so.ampscale_host_update_fields.argtypes = [p, p, p, p, q, p, q]
+    so.ampscale_host_word_count.restype = ctypes.c_longlong
     return so
 
 
@@ -242,6 +264,40 @@ def test_every_dtype_across_chunks_lanes_and_alignment(harness, dtype: str, offs
                 probe[3][position] = bad
                 assert step(probe, 1.0, chunk=chunk, lanes=lanes)[0] is False
                 assert step(probe, 0.5, multiply=False, chunk=chunk, lanes=lanes)[0] is False
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_views_at_any_element_offset_take_the_vector_path(harness, dtype: str) -> None:
+    """A view into a flat buffer (Megatron/DeepSpeed gradient buffers, FSDP flat parameters,
+    ``split``/``narrow``) starts off the 16-byte grid: the kernel does the elements up to the
+    next 16-byte boundary one by one, then whole 16-byte words, so nearly every element goes
+    through the vector path (the host build counts the words), with the same bits."""
+    np_dtype = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    size = np.dtype(np_dtype).itemsize
+    per_word = 16 // size
+    rng = np.random.default_rng(3)
+    n = 3 * _plan.CHUNK + 123
+    for offset in range(per_word):
+        buffer = (rng.standard_normal(n + per_word) * 100).astype(np_dtype)
+        assert buffer.ctypes.data % 16 == 0
+        view = buffer[offset : offset + n]
+        expected = reference(view, 2.0**-3)
+        before = harness.ampscale_host_word_count()
+        assert Step(harness)([view], 2.0**-3, lanes=5)[0] is True
+        words = harness.ampscale_host_word_count() - before
+        np.testing.assert_array_equal(view.view(np.uint8), expected.view(np.uint8))
+        chunks = -(-n // _plan.CHUNK)
+        # at most one partial word at each end of each chunk goes element by element
+        assert words * per_word >= n - chunks * 2 * per_word, (offset, words)
+    if size > 1:  # a base that is not even element-aligned: element by element, still exact
+        raw = np.zeros(n * size + 1, np.uint8)
+        odd = raw[1:].view(np_dtype)
+        odd[...] = (rng.standard_normal(n) * 100).astype(np_dtype)
+        expected = reference(odd, 0.5)
+        before = harness.ampscale_host_word_count()
+        assert Step(harness)([odd], 0.5, lanes=3)[0] is True
+        assert harness.ampscale_host_word_count() == before
+        np.testing.assert_array_equal(odd.view(np.uint8), expected.view(np.uint8))
 
 
 def test_a_finite_value_that_overflows_when_unscaled_is_flagged(harness) -> None:

@@ -10,7 +10,7 @@ GPU itself is exercised by ``tests/test_cuda_gpu.py`` under ``scripts/gpu-check.
 
 from __future__ import annotations
 
-import ctypes
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,47 +18,22 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ampscale  # noqa: E402
-from ampscale._native.cuda import _plan  # noqa: E402
 from ampscale._native.cuda._packed import PackedState  # noqa: E402
 from ampscale._scaler import Scaler  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
-from tests.test_cuda_build import build_harness  # noqa: E402
+from tests.fake_cuda import HostModule, Launches, torch_on_host  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-class HostModule:
-    """A loaded module whose launches run the host harness (CPU pointers instead of device ones)."""
-
-    step, update, context = "ampscale_step", "ampscale_update", 0
-
-    def __init__(self, so: ctypes.CDLL) -> None:
-        self.so = so
-        self.launches: list[str] = []
-
-    def launch(self, function: str, context: int, grid: int, block: int, stream: int, *params: int) -> None:
-        self.launches.append(function)
-        if function == "ampscale_step":
-            table, grad_chunks, loss, meta, inv, scratch, state_in, state_out, options = params
-            inverse = ctypes.c_float.from_address(inv).value
-            ran = self.so.ampscale_host_step(
-                table, grad_chunks, loss, meta, grid, _plan.CHUNK, inverse, scratch, state_in, state_out, options, 4
-            )
-            assert ran == grid - 1
-        else:
-            assert (grid, block) == (1, 1)
-            self.so.ampscale_host_update(*params)
-
-
 @pytest.fixture
-def module(tmp_path, monkeypatch: pytest.MonkeyPatch) -> HostModule:
-    config = ampscale.create_scaler(preset="torch", growth_interval=3).config
-    fake = HostModule(build_harness(config, tmp_path))
-    monkeypatch.setattr(torch_backend, "_cuda_module", lambda config, device: fake)
-    monkeypatch.setattr(torch_backend, "_current_raw_stream", lambda index: 0)
-    return fake
+def module(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostModule]:
+    """The torch backend's CUDA path on CPU tensors; the module of the tests' configuration."""
+    with torch_on_host(monkeypatch, packed_on_cpu=False) as fake:
+        config = ampscale.create_scaler(preset="torch", growth_interval=3).config
+        yield fake.module(config, None)
 
 
 def packed_scaler() -> Scaler:
@@ -82,7 +57,7 @@ def test_fused_steps_follow_the_host_scaler(module: HostModule, dtype: torch.dty
         grads = [torch.from_numpy(v).to(dtype) for v in values]
         reference = [g.float().clone().numpy() for g in grads]
         loss = torch.tensor(loss_value) if with_loss else None
-        module.launches.clear()
+        Launches.log.clear()
         _, _, ours = ours.step(lambda p, g, s: (p, s), [], grads, (), loss=loss)
         finite = bool(np.all([np.isfinite(r).all() for r in reference])) and np.isfinite(loss_value)
         # torch's own kernel (on the CPU here) is not a module launch; then one launch: the

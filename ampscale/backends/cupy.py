@@ -1,8 +1,11 @@
 """CuPy backend: one CUDA launch per step (check, unscale and the state update), no host sync.
 
 The kernels (``ampscale/_native/cuda/kernels.cu``, with the state transition emitted as C for the
-scaler's configuration by :mod:`ampscale._codegen`) are compiled with NVRTC through
-``cupy.RawModule`` (CuPy caches the binary on disk). A table of chunks (address, first element,
+scaler's configuration by :mod:`ampscale._codegen`) are compiled by ampscale's own NVRTC call
+(:func:`ampscale._native.cuda.nvrtc.compiled`, cached on disk, the binary the torch backend
+loads too) and the binary is loaded into CuPy as it is (``cupy.cuda.function.Module().load``):
+CuPy's own compile (``RawModule(code=...)``) appends ``-ftz=true`` after the caller's options,
+which would flush subnormal scales, inverse scales and gradients to zero. A table of chunks (address, first element,
 length, dtype) of every gradient array lives on the GPU, cached while the arrays stay the same;
 each block processes one chunk, reading and writing every element once, with 16-byte accesses
 where aligned. The blocks past the table check the loss. The block that finishes last runs the
@@ -16,6 +19,13 @@ update kernel follows: one more launch, still no sync.
 Contiguous arrays (C or Fortran order) go through the kernel. Strided views are unscaled in
 place by an exact per-array path (several launches each), with a one-time warning.
 
+Streams: a record or chunk table used by a launch on a stream other than the one it was
+allocated on is held until that stream has passed the launch (a CUDA event), so CuPy's pool,
+which reuses a freed block on its own stream at once, cannot hand it out under a running
+kernel. CUDA graphs: the functional step writes each state to a new record, so a captured step
+would replay the captured scale forever; a step, update or state made under stream capture
+raises ``RuntimeError`` instead.
+
 Agreement across GPUs: pass a ``cupy.cuda.nccl.NcclCommunicator`` as ``axis_name``; the flag
 is all-reduced (MAX) on the current stream before the scale changes.
 """
@@ -24,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import cupy
@@ -33,7 +43,7 @@ import numpy as np
 from ampscale._config import make_config
 from ampscale._core import ScalerState
 from ampscale._errors import PerformanceWarning
-from ampscale._native.cuda import _plan
+from ampscale._native.cuda import _plan, nvrtc
 from ampscale._native.cuda._packed import (
     FLAG_BOOL,
     FLAG_FALSE,
@@ -95,16 +105,32 @@ _TRANSITION_XP = PlainNamespace(cupy, cupy.bool_, lambda x, dtype: x.astype(dtyp
 class _Kernels:
     """``ampscale_step`` and ``ampscale_update`` of one configuration on one device."""
 
-    __slots__ = ("step", "update")
+    __slots__ = ("kind", "module", "step", "update")
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, kind: str) -> None:
+        self.module = module  # the functions keep it loaded too
+        self.kind = kind
         self.step = module.get_function("ampscale_step")
         self.update = module.get_function("ampscale_update")
 
 
+def _load_module(source: str, device_id: int) -> _Kernels:
+    """The module compiled by ampscale's NVRTC call (IEEE options, no flush-to-zero; cached on
+    disk) for the device's architecture, loaded into CuPy's context as a binary: CuPy compiles
+    nothing (its compiler would append ``-ftz=true``)."""
+    with cupy.cuda.Device(device_id) as device:
+        arch = int(device.compute_capability)
+        image, kind = nvrtc.compiled(source, arch, _plan.COMPILE_OPTIONS, "ampscale.cu")
+        if kind == "ptx" and not image.endswith(b"\0"):
+            image += b"\0"  # the driver reads PTX as a C string
+        module = cupy.cuda.function.Module()
+        module.load(image)
+        return _Kernels(module, kind)
+
+
 def _kernels(config: ScalerConfig, device_id: int) -> _Kernels | None:
-    """The kernels for ``config`` on a device, compiled once per distinct source (and cached on
-    disk by CuPy); ``None``, with one warning, if NVRTC refuses them."""
+    """The kernels for ``config`` on a device, made once per distinct source; ``None``, with one
+    warning, where NVRTC cannot be loaded or refuses them, or the driver refuses the binary."""
     key = f"cupy-kernels:{device_id}"
     cached = config._cache.get(key, False)
     if cached is not False:
@@ -113,18 +139,45 @@ def _kernels(config: ScalerConfig, device_id: int) -> _Kernels | None:
     with _lock:
         if (source, device_id) not in _modules:
             try:
-                with cupy.cuda.Device(device_id):
-                    module = cupy.RawModule(code=source, options=_plan.COMPILE_OPTIONS)
-                    module.compile()
-                    _modules[source, device_id] = _Kernels(module)
-            except Exception as exc:  # CuPy raises its own CompileException
+                _modules[source, device_id] = _load_module(source, device_id)
+            except Exception as exc:  # OSError (no NVRTC), NvrtcError, CuPy's CUDADriverError
                 from ampscale._native.cuda.driver import warn_fallback
 
-                warn_fallback("cupy", f"NVRTC could not compile the kernels: {exc}")
+                warn_fallback("cupy", f"the kernels could not be built or loaded: {exc}")
                 _modules[source, device_id] = None
         kernels = _modules[source, device_id]
     config._cache[key] = kernels
     return kernels  # type: ignore[no-any-return]
+
+
+_CAPTURE_ERROR = (
+    "ampscale: {what} cannot run under CUDA graph capture on CuPy: each step of the functional "
+    "scaler writes its state to a new device record, so a captured step would replay the "
+    "captured scale on every replay. Run the scaler's unscale/update/step outside the capture"
+)
+
+
+def _refuse_capture(what: str) -> None:
+    """``RuntimeError`` when the current stream is capturing a CUDA graph (before any work)."""
+    if cupy.cuda.get_current_stream().is_capturing():
+        raise RuntimeError(_CAPTURE_ERROR.format(what=what))
+
+
+#: (event, buffers): buffers used on a stream other than their own, held until the event passes
+_held: deque[tuple[Any, tuple[Any, ...]]] = deque()
+
+
+def _hold_for_stream(buffers: tuple[Any, ...]) -> None:
+    """Keep ``buffers`` alive until the current stream has run what is queued on it now.
+
+    CuPy's pool reuses a freed block on the stream it was allocated on without waiting for
+    other streams; a buffer read by a kernel on another stream must outlive that kernel.
+    """
+    while _held and _held[0][0].done:
+        _held.popleft()
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(cupy.cuda.get_current_stream())
+    _held.append((event, buffers))
 
 
 class _CupyPacked(PackedState):
@@ -179,9 +232,11 @@ class CupyBackend(Backend, CudaStep):
         device_id = like.data.device_id if isinstance(like, cupy.ndarray) else cupy.cuda.Device().id
         if _kernels(config, device_id) is None:
             return super().make_state(values, config, like, previous)
+        _refuse_capture("creating the state")
         with cupy.cuda.Device(device_id):
             buffer = cupy.asarray(encode(values, config.scale_dtype).view(np.float32))
-        return _CupyPacked(buffer, buffer.data.ptr, config.scale_dtype)
+            stream = int(cupy.cuda.get_current_stream().ptr)
+        return _CupyPacked(buffer, buffer.data.ptr, config.scale_dtype, stream)
 
     def read_state(self, state: Any) -> ScalerState:
         if isinstance(state, PackedState):
@@ -210,6 +265,7 @@ class CupyBackend(Backend, CudaStep):
         if not isinstance(state, PackedState):
             return super().run_transition(config, state, finite, loss_finite, ops or self.ops(config, state))
         kernels = _kernels(config, state.buffer.data.device_id)
+        _refuse_capture("update()")
         with state.buffer.device:
             nxt = self.update_packed(kernels, state, finite, loss_finite)
         return nxt, None, nxt.view("floor_event")
@@ -218,10 +274,14 @@ class CupyBackend(Backend, CudaStep):
     def new_record(self, like: PackedState, zero: bool = False) -> PackedState:
         with like.buffer.device:
             buffer = (cupy.zeros if zero else cupy.empty)(_RECORD_FLOATS, dtype=cupy.float32)
-        return _CupyPacked(buffer, buffer.data.ptr, like.scale_dtype)
+            stream = int(cupy.cuda.get_current_stream().ptr)
+        return _CupyPacked(buffer, buffer.data.ptr, like.scale_dtype, stream)
 
     def current_stream(self, state: PackedState) -> int:
         return int(cupy.cuda.get_current_stream().ptr)
+
+    def keep_for_stream(self, buffers: tuple[Any, ...], stream: int) -> None:
+        _hold_for_stream(buffers)
 
     def flag_argument(self, flag: Any, state: PackedState) -> tuple[int, int, Any]:
         if isinstance(flag, (bool, np.bool_)):
@@ -246,24 +306,29 @@ class CupyBackend(Backend, CudaStep):
         nxt = self.new_record(state)
         args = (state.buffer, nxt.buffer, _u64(finite[0]), _i64(finite[1]), _u64(loss_finite[0]), _i64(loss_finite[1]))
         module.update((1,), (1,), (*args, _u64(0 if scratch is None else scratch.ptr)))
+        self.used_on(stream, state, scratch)  # after the launch: held until the stream passes it
         return nxt
 
     # -- the fused hot path -----------------------------------------------------------------
-    def _table(self, rows: tuple[tuple[int, int, int], ...], device_id: int) -> tuple[Any, int]:
-        """The chunk table of ``(address, size, kind)`` rows on the device, cached by the rows."""
+    def _table(self, rows: tuple[tuple[int, int, int], ...], device_id: int) -> tuple[Any, int, bool]:
+        """The chunk table of ``(address, size, kind)`` rows on the device, cached by the rows,
+        its chunk count, and whether it was made on another stream than the current one (the
+        caller then holds it past the launch: see :func:`_hold_for_stream`)."""
         key = (device_id, rows)
-        table = self._tables.get(key)
-        if table is None:
+        entry = self._tables.get(key)
+        stream = int(cupy.cuda.get_current_stream().ptr)
+        if entry is None:
             addresses, sizes, kinds = zip(*rows, strict=True) if rows else ((), (), ())
             host_table = _plan.chunk_table(addresses, sizes, kinds)
             with cupy.cuda.Device(device_id):
-                table = cupy.asarray(host_table.view(np.uint8))
-            self._tables[key] = table
+                entry = (cupy.asarray(host_table.view(np.uint8)), stream)
+            self._tables[key] = entry
             if len(self._tables) > 32:
                 self._tables.popitem(last=False)
         else:
             self._tables.move_to_end(key)
-        return table, table.size // _plan.CHUNK_DTYPE.itemsize
+        table = entry[0]
+        return table, table.size // _plan.CHUNK_DTYPE.itemsize, entry[1] != stream
 
     @staticmethod
     def _rows(leaves: Sequence[Any]) -> tuple[dict[int, list[tuple[int, int, int]]], list[Any]]:
@@ -292,6 +357,8 @@ class CupyBackend(Backend, CudaStep):
         # scale_floor is not needed: ampscale's kernel checks the values it writes
         if not isinstance(state, PackedState):
             return None
+        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
+            leaves = self.promote(leaves)
         device_id = state.buffer.data.device_id
         rows, strided = self._rows(leaves)
         if strided or any(d != device_id for d in rows):
@@ -306,10 +373,11 @@ class CupyBackend(Backend, CudaStep):
                 loss_chunks = -(-loss.size // _plan.CHUNK)
         kernels = _kernels(config, device_id)
         assert kernels is not None  # a packed state exists only where they compiled
+        _refuse_capture("unscale()")
         with state.buffer.device:
             stream = self.current_stream(state)
             group = rows.get(device_id, [])
-            table, grad_chunks = self._table(tuple(group), device_id) if group else (None, 0)
+            table, grad_chunks, foreign = self._table(tuple(group), device_id) if group else (None, 0, False)
             scratch = self.scratch_for(state, stream)
             if grad_chunks + loss_chunks == 0:  # nothing to check: every value is finite
                 nxt = self.launch_update(kernels, state, stream, (0, FLAG_TRUE), (0, FLAG_TRUE))
@@ -331,6 +399,9 @@ class CupyBackend(Backend, CudaStep):
                         _i64(options),
                     ),
                 )
+                self.used_on(stream, state, scratch)  # after the launch: held until the stream passes it
+                if foreign:
+                    _hold_for_stream((table,))
         finite = nxt.view("finite")
         loss_finite = None if loss is None else nxt.view("loss_finite")
         state.pending = (finite, loss_finite, nxt)
@@ -351,7 +422,7 @@ class CupyBackend(Backend, CudaStep):
                 inv = inv_scale if multiply else scratch[0]  # any float when only checking
                 if inv.data.device_id != device_id:
                     inv = cupy.asarray(inv)
-                table, chunks = self._table(tuple(group), device_id)
+                table, chunks, foreign = self._table(tuple(group), device_id)
                 kernels.step(
                     (chunks,),
                     (BLOCK_THREADS,),
@@ -367,6 +438,8 @@ class CupyBackend(Backend, CudaStep):
                         _i64(_plan.MULTIPLY if multiply else 0),
                     ),
                 )
+                if foreign:
+                    _hold_for_stream((table,))
                 flags.append(scratch[offset_of("found_inf", "float32")[0] // 4])
         for leaf in strided:
             flags.append(self._strided(leaf, inv_scale))

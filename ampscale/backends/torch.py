@@ -10,6 +10,14 @@ decided once, by trying the kernel.
 State: on the CPU it is kept as Python scalars (the transition runs on the host, no tensor
 kernels), exposed as 0-d CPU tensors; on an accelerator it is 0-d tensors on that device,
 updated by the shared transition as tensor operations, asynchronously.
+
+On CUDA the state is one packed record (:mod:`ampscale._native.cuda._packed`) and a step is
+torch's fused kernel writing into the record's scratch, then one launch of ampscale's kernels
+(the update, or the check of bfloat16 gradients and the loss with the transition in its last
+block). A record or chunk table used on a stream other than the one it was allocated on gets
+``record_stream`` for that stream. Under CUDA graph capture the functional step raises (each
+step writes a new record, so a replay would repeat the captured step); the drop-in
+``GradScaler``'s update is one in-place kernel on fixed buffers instead.
 """
 
 from __future__ import annotations
@@ -386,6 +394,34 @@ _KIND_CODES = {
 }
 _cuda_tables: dict[Any, Any] = {}
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+#: whether the current CUDA stream is capturing a graph (``None``: torch built without CUDA)
+_capturing: Callable[[], bool] | None = (
+    torch._C._cuda_isCurrentStreamCapturing if torch.backends.cuda.is_built() else None  # type: ignore[attr-defined]
+)
+_CAPTURE_ERROR = (
+    "ampscale: {what} cannot run under CUDA graph capture: the scaler's state moves with every "
+    "step (the functional scaler writes a new device record per step; the drop-in GradScaler "
+    "keeps the scale's bound and the optimizers' flags on the host), so a replay would repeat "
+    "the captured step with the captured scale. Capture the forward and backward passes only, "
+    "and call unscale/step/update outside the graph"
+)
+
+
+def _refuse_capture(what: str) -> None:
+    """``RuntimeError`` when the current stream is capturing a CUDA graph (before any work)."""
+    if _capturing is not None and _capturing():
+        raise RuntimeError(_CAPTURE_ERROR.format(what=what))
+
+
+def _record_stream(tensor: torch.Tensor) -> None:
+    """Tell torch's caching allocator that ``tensor`` is used on the current stream of its
+    device, so that its block is not reused before that stream has passed the use."""
+    tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+def _raw_stream(device: torch.device) -> int:
+    assert _current_raw_stream is not None  # checked by _cuda_module
+    return int(_current_raw_stream(device.index))
 
 
 class _TorchPacked(PackedState):
@@ -422,18 +458,19 @@ def _cuda_module(config: ScalerConfig, device: torch.device) -> Any:
 
 
 def _packed_from_values(values: ScalerState, config: ScalerConfig, device: torch.device) -> _TorchPacked:
+    _refuse_capture("creating the state")
     record = torch.from_numpy(encode(values, config.scale_dtype).view(np.float32))
     if device.type == "cuda":
         record = record.pin_memory()  # pinned: the copy is queued on the stream, no sync
     buffer = record.to(device, non_blocking=True)
-    return _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype)
+    return _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype, _raw_stream(device))
 
 
 def _packed_from_fields(fields: ScalerState, config: ScalerConfig) -> _TorchPacked:
     """Pack a state of 0-d CUDA tensors into a record (on the device: no host read)."""
     device = fields.scale.device
     buffer = torch.zeros(_RECORD_FLOATS, dtype=torch.float32, device=device)
-    state = _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype)
+    state = _TorchPacked(buffer, buffer.data_ptr(), config.scale_dtype, _raw_stream(device))
     for name in ScalerState._fields:
         state.view(name).copy_(getattr(fields, name))
     state.view("inv_scale").copy_(state.view("scale").double().reciprocal().float())
@@ -909,18 +946,23 @@ class TorchBackend(Backend, CudaStep):
                 ops = self.ops(config, state)
             return super().run_transition(config, state, finite, loss_finite, ops)
         module = _cuda_module(config, state.buffer.device)
+        _refuse_capture("update()")
         nxt = self.update_packed(module, state, finite, loss_finite)
         return nxt, None, nxt.view("floor_event")
 
     # -- CUDA: the packed state and the one-launch update ------------------------------------
     def new_record(self, like: PackedState, zero: bool = False) -> PackedState:
         make = torch.zeros if zero else torch.empty
-        buffer = make(_RECORD_FLOATS, dtype=torch.float32, device=like.buffer.device)
-        return _TorchPacked(buffer, buffer.data_ptr(), like.scale_dtype)
+        device = like.buffer.device
+        buffer = make(_RECORD_FLOATS, dtype=torch.float32, device=device)
+        return _TorchPacked(buffer, buffer.data_ptr(), like.scale_dtype, _raw_stream(device))
 
     def current_stream(self, state: PackedState) -> int:
-        assert _current_raw_stream is not None  # checked by _cuda_module
-        return int(_current_raw_stream(state.buffer.device.index))
+        return _raw_stream(state.buffer.device)
+
+    def keep_for_stream(self, buffers: tuple[Any, ...], stream: int) -> None:
+        for buffer in buffers:
+            _record_stream(buffer)
 
     def flag_argument(self, flag: Any, state: PackedState) -> tuple[int, int, Any]:
         if isinstance(flag, bool):
@@ -939,6 +981,8 @@ class TorchBackend(Backend, CudaStep):
     ) -> tuple[list[Any], Any, Any] | None:
         if not isinstance(state, PackedState):
             return None
+        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
+            leaves = self.promote(leaves)
         device = state.buffer.device
         module = _cuda_module(config, device)
         # every memory location once, and refusals before anything changes (as check_and_unscale)
@@ -949,10 +993,17 @@ class TorchBackend(Backend, CudaStep):
         torch_groups, own, loss_tensor = plan
         if not config.scales and not all(t.is_contiguous() for group in torch_groups for t in group):
             return None  # guard mode checks every leaf in ampscale's kernel, which needs them contiguous
+        _refuse_capture("unscale()")
         stream = self.current_stream(state)
+        if not config.scales:
+            own = distinct  # guard mode: check only, in ampscale's kernel (nothing written)
+        # everything that can refuse is decided before torch's kernel changes a gradient: the
+        # chunk table and the grid of ampscale's kernel (0 blocks: none is launched)
+        table, grad_chunks = self._chunk_table(own, device, stream) if own else (None, 0)
+        loss_ptr, meta, loss_chunks = _loss_argument(loss_tensor)
         scratch = self.scratch_for(state, stream)
-        with _no_grad():
-            if config.scales:
+        if config.scales:
+            with _no_grad():
                 # torch's own kernel (GradScaler's), its flag pointed at the record's scratch; it
                 # checks the inputs, so while the scale may be below 1 a check-only pass of the
                 # values written follows (ampscale's kernel checks what it writes)
@@ -962,13 +1013,9 @@ class TorchBackend(Backend, CudaStep):
                     torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
                     if written is not None:
                         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, written)
-            else:
-                own = distinct  # guard mode: check only, in ampscale's kernel (nothing written)
-        if own or loss_tensor is not None:
+        if grad_chunks + loss_chunks:
             # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA) and the
             # loss, then the transition in its last block
-            table, grad_chunks = self._chunk_table(own, device) if own else (None, 0)
-            loss_ptr, meta, loss_chunks = _loss_argument(loss_tensor)
             options = (_plan.MULTIPLY if config.scales else 0) | _plan.TAIL
             nxt = self.new_record(state)
             module.launch(
@@ -987,7 +1034,10 @@ class TorchBackend(Backend, CudaStep):
                 nxt.ptr,
                 options,
             )
-        else:  # the transition, reading torch's flag from the scratch (and resetting it)
+            self.used_on(stream, state, scratch)
+        else:
+            # nothing for ampscale's kernel (no bfloat16 gradient or loss to check, or only empty
+            # ones): the transition, reading torch's flag from the scratch (and resetting it)
             found = (scratch.ptr + _FOUND_INF_OFFSET, FLAG_FOUND_INF)
             nxt = self.launch_update(module, state, stream, found, (0, FLAG_TRUE), scratch)
         finite = nxt.view("finite")
@@ -995,21 +1045,29 @@ class TorchBackend(Backend, CudaStep):
         state.pending = (finite, loss_finite, nxt)
         return leaves, finite, loss_finite
 
-    def _chunk_table(self, leaves: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
-        """The chunk table of contiguous ``leaves`` on ``device``, cached while they stay the same."""
+    def _chunk_table(
+        self, leaves: list[torch.Tensor], device: torch.device, stream: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """The chunk table of contiguous ``leaves`` on ``device``, cached while they stay the same
+        (``None`` and 0 chunks when every leaf is empty). A table made on another stream gets
+        ``record_stream`` for ``stream``, so its eviction cannot free it under this launch."""
         rows = tuple((t.data_ptr(), t.numel(), _KIND_CODES[t.dtype]) for t in leaves if t.numel())
+        if not rows:
+            return None, 0
         tables: dict[Any, Any] = _cuda_tables
         key = (device, rows)
         entry = tables.get(key)
         if entry is None:
-            addresses, sizes, kinds = zip(*rows, strict=True) if rows else ((), (), ())
+            addresses, sizes, kinds = zip(*rows, strict=True)
             host = torch.from_numpy(_plan.chunk_table(addresses, sizes, kinds).view(np.uint8))
             if device.type == "cuda":
                 host = host.pin_memory()  # pinned, non-blocking: no sync; kept alive with the table
-            entry = (host.to(device, non_blocking=True), host)
+            entry = (host.to(device, non_blocking=True), host, stream)
             if len(tables) > 32:
                 tables.pop(next(iter(tables)))
             tables[key] = entry
+        elif entry[2] != stream:
+            _record_stream(entry[0])
         table = entry[0]
         return table, table.numel() // _plan.CHUNK_DTYPE.itemsize
 

@@ -11,7 +11,8 @@
 * :mod:`ampscale._native.cuda.driver`: modules loaded and kernels launched through the CUDA driver
   (``libcuda.so.1``, found at run time) by a small C extension, :mod:`ampscale._native.cuda._driver`.
 
-Nothing here imports a framework: CuPy compiles and launches the kernels itself (NVRTC through
-``cupy.RawModule``), the torch backend uses NVRTC and the driver launcher here, and a JAX XLA
-FFI handler can load the same binaries through the C-level table that ``_driver`` exports.
+Nothing here imports a framework: the CuPy backend loads the binaries NVRTC made here into
+CuPy (``cupy.cuda.function.Module().load``; CuPy's own compile would add ``-ftz=true``) and
+launches them through CuPy, the torch backend uses NVRTC and the driver launcher here, and the
+JAX XLA FFI handler loads the same binaries through the C-level table that ``_driver`` exports.
 """

@@ -120,7 +120,13 @@ static PyObject* init(PyObject* self, PyObject* args) {
         return NULL;
     }
     int version = 0;
-    p_cuDriverGetVersion(&version);
+    result = p_cuDriverGetVersion(&version);
+    if (result != 0) {
+        driver_error("cuDriverGetVersion", result);
+        memset(&api, 0, sizeof(api));
+        dlclose(handle);
+        return NULL;
+    }
     api.version = 1;
     driver_version = version;
     driver_handle = handle;
@@ -158,12 +164,18 @@ static PyObject* load_module(PyObject* self, PyObject* args) {
     CUresult result = p_cuDeviceGet(&device, ordinal);
     if (result == 0) result = api.cuDevicePrimaryCtxRetain(&context, device);
     if (result == 0) result = api.cuCtxPushCurrent(context);
+    const char* what = "loading the module (cuDeviceGet, cuDevicePrimaryCtxRetain, cuCtxPushCurrent)";
     if (result == 0) {
         result = api.cuModuleLoadData(&module, image.buf);
-        api.cuCtxPopCurrent(&popped);
+        what = "loading the module (cuModuleLoadData)";
+        const CUresult pop = api.cuCtxPopCurrent(&popped);
+        if (result == 0 && pop != 0) {
+            result = pop;
+            what = "cuCtxPopCurrent after loading the module";
+        }
     }
     PyBuffer_Release(&image);
-    if (result != 0) return driver_error("loading the module (cuModuleLoadData)", result);
+    if (result != 0) return driver_error(what, result);
     return Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)module, (unsigned long long)(uintptr_t)context);
 }
 
@@ -177,8 +189,9 @@ static PyObject* get_function(PyObject* self, PyObject* args) {
     CUcontext popped = NULL;
     CHECK(api.cuCtxPushCurrent((CUcontext)(uintptr_t)context), "cuCtxPushCurrent");
     CUresult result = api.cuModuleGetFunction(&function, (CUmodule)(uintptr_t)module, name);
-    api.cuCtxPopCurrent(&popped);
+    const CUresult pop = api.cuCtxPopCurrent(&popped);
     if (result != 0) return driver_error("cuModuleGetFunction", result);
+    if (pop != 0) return driver_error("cuCtxPopCurrent", pop);
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)function);
 }
 
@@ -211,13 +224,15 @@ static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
         return NULL;
     }
     CUcontext context = (CUcontext)(uintptr_t)head[1], current = NULL, popped = NULL;
-    api.cuCtxGetCurrent(&current);
+    CHECK(api.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
     const int switched = current != context;
     if (switched) CHECK(api.cuCtxPushCurrent(context), "cuCtxPushCurrent");
     CUresult result = api.cuLaunchKernel((CUfunction)(uintptr_t)head[0], (unsigned int)head[2], 1, 1,
                                          (unsigned int)head[3], 1, 1, 0, (CUstream)(uintptr_t)head[4], params, NULL);
-    if (switched) api.cuCtxPopCurrent(&popped);
+    /* the launch is queued even when popping fails: report that failure after the launch's own */
+    const CUresult pop = switched ? api.cuCtxPopCurrent(&popped) : 0;
     if (result != 0) return driver_error("cuLaunchKernel", result);
+    if (pop != 0) return driver_error("cuCtxPopCurrent (after a queued launch)", pop);
     Py_RETURN_NONE;
 }
 

@@ -57,15 +57,18 @@ class PackedState:
             with the flags a check returned (the one-launch step), so that ``update`` given
             those very flag objects launches nothing.
         scratch_stream: the stream whose launches use this buffer's scratch (``None``: unused).
+        stream: the stream current when the buffer was allocated (``None``: unknown); a launch
+            on another stream must keep the buffer alive past itself (:meth:`CudaStep.used_on`).
     """
 
-    __slots__ = ("_views", "buffer", "pending", "ptr", "scale_dtype", "scratch_stream")
+    __slots__ = ("_views", "buffer", "pending", "ptr", "scale_dtype", "scratch_stream", "stream")
     _fields: ClassVar[tuple[str, ...]] = ScalerState._fields
 
-    def __init__(self, buffer: Any, ptr: int, scale_dtype: str) -> None:
+    def __init__(self, buffer: Any, ptr: int, scale_dtype: str, stream: int | None = None) -> None:
         self.buffer = buffer
         self.ptr = ptr
         self.scale_dtype = scale_dtype
+        self.stream = stream
         self.pending: tuple[Any, Any, PackedState] | None = None
         self.scratch_stream: int | None = None
         self._views: dict[str, Any] = {}
@@ -118,8 +121,9 @@ def offset_of(name: str, scale_dtype: str) -> tuple[int, str]:
     return offset, np.dtype(dtype).name
 
 
-# Flag kinds of ampscale_update (see kernels.cu): true, a bool byte, a float32 found_inf, false
-FLAG_TRUE, FLAG_BOOL, FLAG_FOUND_INF, FLAG_FALSE = 0, 1, 2, 3
+# Flag kinds of ampscale_update (see kernels.cu): true, a bool byte, a float32 found_inf, false,
+# a bool byte that says "not finite" (the drop-in GradScaler's loss flag)
+FLAG_TRUE, FLAG_BOOL, FLAG_FOUND_INF, FLAG_FALSE, FLAG_BAD_BOOL = 0, 1, 2, 3, 4
 
 
 class CudaStep:
@@ -141,6 +145,19 @@ class CudaStep:
         """``(pointer, kind, keep)`` for a flag passed to ``update`` (``keep``: an object to hold
         alive until the launch is queued)."""
         raise NotImplementedError
+
+    def keep_for_stream(self, buffers: tuple[Any, ...], stream: int) -> None:
+        """Keep ``buffers`` (allocated on another stream) alive until ``stream`` has run the
+        launch just queued on it: torch's ``record_stream``, or CuPy holding them until an event."""
+        raise NotImplementedError
+
+    def used_on(self, stream: int, *records: PackedState | None) -> None:
+        """Records read or written by a launch on ``stream``: those allocated on another stream
+        are kept alive past the launch (a caching allocator would otherwise reuse a dropped
+        record on its own stream while this one still reads it). Same stream: nothing to do."""
+        foreign = tuple(r.buffer for r in records if r is not None and r.stream != stream)
+        if foreign:
+            self.keep_for_stream(foreign, stream)
 
     def scratch_for(self, state: PackedState, stream: int) -> PackedState:
         """The record whose scratch a check on ``stream`` writes: the state's own, or fresh zeros."""
@@ -171,6 +188,7 @@ class CudaStep:
             loss_finite[1],
             0 if scratch is None else scratch.ptr,
         )
+        self.used_on(stream, state, scratch)
         return nxt
 
     def update_packed(self, module: Any, state: PackedState, finite: Any, loss_finite: Any) -> PackedState:

@@ -80,10 +80,12 @@ class DeviceModule:
         context: the primary context the module lives in.
         step: the ``ampscale_step`` function handle.
         update: the ``ampscale_update`` function handle.
+        update_fields: the ``ampscale_update_fields`` function handle (the drop-in GradScaler's
+            in-place update).
         kind: ``"cubin"`` or ``"ptx"``, what NVRTC produced.
     """
 
-    __slots__ = ("context", "kind", "launch", "module", "ordinal", "step", "update")
+    __slots__ = ("context", "kind", "launch", "module", "ordinal", "step", "update", "update_fields")
 
     def __init__(self, source: str, ordinal: int) -> None:
         driver = launcher()
@@ -95,6 +97,7 @@ class DeviceModule:
         self.module, self.context = driver.load_module(ordinal, image)
         self.step = driver.get_function(self.module, self.context, "ampscale_step")
         self.update = driver.get_function(self.module, self.context, "ampscale_update")
+        self.update_fields = driver.get_function(self.module, self.context, "ampscale_update_fields")
         self.launch = driver.launch
 
 

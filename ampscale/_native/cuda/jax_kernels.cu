@@ -78,7 +78,8 @@ AMPSCALE_JAX_FN AmpscaleChunk ampscale_jax_chunk(const AmpscaleJaxLeaves& leaves
 }
 
 // float32 -> bfloat16 as XLA:GPU rounds it: the device's own conversion on sm_80 and later
-// (XLA lowers the convert to cvt.rn.bf16.f32 there), kernels.cu's software rounding elsewhere.
+// (XLA lowers the convert to cvt.rn.bf16.f32 there; so does kernels.cu's ampscale_f32_to_bf16),
+// the software rounding elsewhere.
 AMPSCALE_JAX_FN unsigned short ampscale_jax_f32_to_bf16(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     unsigned short h;
@@ -89,9 +90,10 @@ AMPSCALE_JAX_FN unsigned short ampscale_jax_f32_to_bf16(float f) {
 #endif
 }
 
-// A bfloat16 NaN stored as XLA:GPU stores it. kernels.cu rounds every bfloat16 product in
-// software, which keeps the product NaN's sign and gives 0x7fc0; XLA stores the device's
-// conversion of the product. The product of a NaN is the device's canonical NaN whatever the
+// A bfloat16 NaN stored as XLA:GPU stores it. Below sm_80 kernels.cu rounds every bfloat16
+// product in software, which keeps the product NaN's sign and gives 0x7fc0 (from sm_80 on it
+// uses the device's cvt, as XLA does, and this pass rewrites each NaN with the same bits); XLA
+// stores the device's conversion of the product. The product of a NaN is the device's canonical NaN whatever the
 // NaN multiplied, so the NaN kernels.cu stored, multiplied again and converted by the device,
 // is the very value XLA stores. Only a block that found an inf or nan in a bfloat16 chunk runs
 // this (never on a finite step); after the block's barrier, so every element is final.

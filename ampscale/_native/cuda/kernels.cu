@@ -1,6 +1,7 @@
 // ampscale's CUDA kernels: the fused multi-tensor check + unscale, with the state transition in
-// its last block, and the one-thread state update. Compiled with NVRTC (through CuPy, or by
-// ampscale._native.cuda for torch) or nvcc, with --fmad=false --ftz=false; no header is included.
+// its last block, and the one-thread state update. Compiled by ampscale._native.cuda.nvrtc (for
+// torch, CuPy and JAX alike: CuPy only loads the binary) or nvcc, with --fmad=false --ftz=false;
+// no header is included.
 //
 // The source is prefixed, per configuration, with ampscale._codegen.C_PRELUDE and
 // c_transition(config): they define struct ampscale_State (the packed state: every field, the
@@ -22,6 +23,9 @@
 //
 // ampscale_update: one thread; the transition for a flag already on the device (a caller's
 // flag, one agreed across devices, or torch's found_inf).
+//
+// ampscale_update_fields: one thread; the drop-in GradScaler's update, in place on torch's
+// _scale and _growth_tracker and a record of the other fields.
 //
 // The element and chunk code is AMPSCALE_HD (__host__ __device__ under CUDA), so that the tests
 // build the file with a host C++ compiler (AMPSCALE_HOST_TEST) and run it on the CPU.
@@ -99,16 +103,25 @@ AMPSCALE_HD inline unsigned long long ampscale_f64_to_bits(double f) {
     return v.u;
 }
 
-// bfloat16 is the top half of a float32: exact widening, round-to-nearest-even narrowing
-// (nan becomes the canonical quiet nan), as c10::BFloat16 and ml_dtypes do.
+// bfloat16 is the top half of a float32: exact widening, round-to-nearest-even narrowing. On
+// sm_80 and later the narrowing is the device's own conversion (cvt.rn.bf16.f32, what torch's
+// c10::BFloat16 and XLA use there: a nan becomes 0x7fff); elsewhere, and on the host, the same
+// rounding in software, where a nan becomes the quiet nan 0x7fc0 with its sign (as c10's
+// software path and ml_dtypes do). Finite values and infinities round alike on both.
 AMPSCALE_HD inline float ampscale_bf16_to_f32(unsigned short b) {
     return ampscale_bits_to_f32(static_cast<unsigned int>(b) << 16);
 }
 
 AMPSCALE_HD inline unsigned short ampscale_f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     unsigned int x = ampscale_f32_to_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>(((x >> 16) & 0x8000u) | 0x7fc0u);
     return static_cast<unsigned short>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+#endif
 }
 
 // float16: the GPU's own conversions (PTX cvt, as cuda_fp16.h uses), and exact software ones on
@@ -251,46 +264,65 @@ AMPSCALE_HD inline long long ampscale_item_size(long long kind) {
     return kind == AMPSCALE_KIND_F64 ? 8 : (kind == AMPSCALE_KIND_F32 ? 4 : 2);
 }
 
-// Elements [start, start + length) of one chunk, visited by `lane` of `lanes` workers: 16-byte
-// loads and stores, four in flight per worker, where the array is 16-byte aligned (CuPy's and
-// torch's allocations are); element by element for the unaligned head and tail.
+#ifdef AMPSCALE_HOST_TEST
+// Host harness only: 16-byte words processed, so that the tests see which path a chunk took.
+long long ampscale_host_words = 0;
+#define AMPSCALE_COUNT_WORDS(n) (ampscale_host_words += (n))
+#else
+#define AMPSCALE_COUNT_WORDS(n) ((void)0)
+#endif
+
+// Elements [start, start + length) of one chunk, visited by `lane` of `lanes` workers: a head
+// element by element up to the first 16-byte boundary of the chunk's memory, then 16-byte loads
+// and stores (four in flight per worker), then the tail element by element. The boundary is
+// taken on the absolute address, so a view into a flat buffer (Megatron/DeepSpeed contiguous
+// gradient buffers, FSDP's flat parameters, split/narrow views) at any element offset keeps the
+// vector path; only an array whose base is not even element-aligned goes element by element.
 AMPSCALE_HD inline bool ampscale_chunk_part(const AmpscaleChunk& chunk, long long lane, long long lanes, float inv,
                                             bool multiply) {
     char* base = reinterpret_cast<char*>(chunk.data);
     const long long kind = chunk.kind;
+    const long long size = ampscale_item_size(kind);
     const long long end = chunk.start + chunk.length;
-    const long long per_word = 16 / ampscale_item_size(kind);
-    const long long vec_first = (chunk.start + per_word - 1) / per_word * per_word;
-    const long long vec_end = end / per_word * per_word;
+    const long long per_word = 16 / size;
     bool bad = false;
-    if (chunk.data % 16 == 0 && vec_first < vec_end) {
-        for (long long i = chunk.start + lane; i < vec_first; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
-        uint4* words = reinterpret_cast<uint4*>(base);
-        long long j = vec_first / per_word + lane;
-        const long long last = vec_end / per_word;
-        for (; j + 3 * lanes < last; j += 4 * lanes) {
-            uint4 a = words[j];
-            uint4 b = words[j + lanes];
-            uint4 c = words[j + 2 * lanes];
-            uint4 d = words[j + 3 * lanes];
-            bad |= ampscale_word(a, kind, inv, multiply);
-            bad |= ampscale_word(b, kind, inv, multiply);
-            bad |= ampscale_word(c, kind, inv, multiply);
-            bad |= ampscale_word(d, kind, inv, multiply);
-            if (multiply) {
-                words[j] = a;
-                words[j + lanes] = b;
-                words[j + 2 * lanes] = c;
-                words[j + 3 * lanes] = d;
+    if (chunk.data % size == 0) {
+        // the first element at a 16-byte boundary, then as many whole words as fit
+        const unsigned long long first_address = chunk.data + static_cast<unsigned long long>(chunk.start * size);
+        const long long head = static_cast<long long>((16 - first_address % 16) % 16) / size;
+        const long long vec_first = chunk.start + head;
+        const long long words_n = vec_first < end ? (end - vec_first) / per_word : 0;
+        if (words_n > 0) {
+            const long long vec_end = vec_first + words_n * per_word;
+            for (long long i = chunk.start + lane; i < vec_first; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
+            uint4* words = reinterpret_cast<uint4*>(base + vec_first * size);
+            long long j = lane;
+            for (; j + 3 * lanes < words_n; j += 4 * lanes) {
+                uint4 a = words[j];
+                uint4 b = words[j + lanes];
+                uint4 c = words[j + 2 * lanes];
+                uint4 d = words[j + 3 * lanes];
+                bad |= ampscale_word(a, kind, inv, multiply);
+                bad |= ampscale_word(b, kind, inv, multiply);
+                bad |= ampscale_word(c, kind, inv, multiply);
+                bad |= ampscale_word(d, kind, inv, multiply);
+                if (multiply) {
+                    words[j] = a;
+                    words[j + lanes] = b;
+                    words[j + 2 * lanes] = c;
+                    words[j + 3 * lanes] = d;
+                }
+                AMPSCALE_COUNT_WORDS(4);
             }
+            for (; j < words_n; j += lanes) {
+                uint4 a = words[j];
+                bad |= ampscale_word(a, kind, inv, multiply);
+                if (multiply) words[j] = a;
+                AMPSCALE_COUNT_WORDS(1);
+            }
+            for (long long i = vec_end + lane; i < end; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
+            return bad;
         }
-        for (; j < last; j += lanes) {
-            uint4 a = words[j];
-            bad |= ampscale_word(a, kind, inv, multiply);
-            if (multiply) words[j] = a;
-        }
-        for (long long i = vec_end + lane; i < end; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
-        return bad;
     }
     for (long long i = chunk.start + lane; i < end; i += lanes) bad |= ampscale_process(base, i, kind, inv, multiply);
     return bad;
@@ -343,11 +375,33 @@ AMPSCALE_HD inline void ampscale_finish(struct ampscale_State* scratch, const st
 }
 
 // A flag given by the caller: `kind` 0 true (no pointer), 1 a bool byte (nonzero: finite), 2 a
-// float32 found_inf (zero: finite), 3 false (no pointer).
+// float32 found_inf (zero: finite), 3 false (no pointer), 4 a bool byte (nonzero: NOT finite,
+// the drop-in GradScaler's loss flag).
 AMPSCALE_HD inline int ampscale_read_flag(const void* flag, long long kind) {
     if (kind == 1) return *static_cast<const unsigned char*>(flag) != 0;
     if (kind == 2) return *static_cast<const float*>(flag) == 0.0f;
+    if (kind == 4) return *static_cast<const unsigned char*>(flag) == 0;
     return kind != 3;
+}
+
+// The drop-in GradScaler's update, in place: the scale and the growth tracker are torch's own
+// tensors (read and written through their pointers, as torch's _amp_update_scale_ does), every
+// other field lives in `record`, which is rewritten whole (the transition computes every output
+// before the first store, so in and out may be one record). Fixed buffers, so a CUDA graph can
+// capture it.
+AMPSCALE_HD inline void ampscale_update_in_place(void* scale, int* growth_tracker, struct ampscale_State* record,
+                                                 const void* finite_flag, long long finite_kind, const void* loss_flag,
+                                                 long long loss_kind) {
+    typedef decltype(record->scale) ampscale_scale_t;
+    struct ampscale_State in = *record;
+    in.scale = *static_cast<ampscale_scale_t*>(scale);
+    in.growth_tracker = *growth_tracker;
+    struct ampscale_State out = in;
+    const int loss_finite = ampscale_read_flag(loss_flag, loss_kind);
+    ampscale_write_next(&in, &out, ampscale_read_flag(finite_flag, finite_kind) && loss_finite, loss_finite);
+    *record = out;
+    *static_cast<ampscale_scale_t*>(scale) = out.scale;
+    *growth_tracker = out.growth_tracker;
 }
 
 // ------------------------------------------------------------------ the kernels
@@ -388,6 +442,14 @@ extern "C" __global__ void ampscale_update(const struct ampscale_State* in, stru
     const int loss_finite = ampscale_read_flag(loss_flag, loss_kind);
     ampscale_write_next(in, out, ampscale_read_flag(finite_flag, finite_kind) && loss_finite, loss_finite);
     if (scratch) ampscale_reset(scratch);
+}
+
+// ampscale_update_in_place on one thread (the drop-in GradScaler's update(): one launch).
+extern "C" __global__ void ampscale_update_fields(void* scale, int* growth_tracker, struct ampscale_State* record,
+                                                  const void* finite_flag, long long finite_kind,
+                                                  const void* loss_flag, long long loss_kind) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    ampscale_update_in_place(scale, growth_tracker, record, finite_flag, finite_kind, loss_flag, loss_kind);
 }
 
 #endif
@@ -431,4 +493,11 @@ extern "C" void ampscale_host_update(const struct ampscale_State* in, struct amp
     ampscale_write_next(in, out, ampscale_read_flag(finite_flag, finite_kind) && loss_finite, loss_finite);
     if (scratch) ampscale_reset(scratch);
 }
+extern "C" void ampscale_host_update_fields(void* scale, int* growth_tracker, struct ampscale_State* record,
+                                            const void* finite_flag, long long finite_kind, const void* loss_flag,
+                                            long long loss_kind) {
+    ampscale_update_in_place(scale, growth_tracker, record, finite_flag, finite_kind, loss_flag, loss_kind);
+}
+
+extern "C" long long ampscale_host_word_count(void) { return ampscale_host_words; }
 #endif
