@@ -440,6 +440,15 @@ class Backend(abc.ABC):
             return finite
         raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={group!r}")
 
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        """Both flags of a step (the gradients' and the scaled loss's) agreed across ``group``.
+
+        Backends with collectives reduce the two in one operation (a 2-element all-reduce), so
+        a step with a loss check costs one collective, not two; the default, and a callable
+        ``group`` (which takes one flag), agree each flag in turn.
+        """
+        return self.agree(finite, group), self.agree(loss_finite, group)
+
     def __repr__(self) -> str:
         return f"<ampscale backend {self.name!r}>"
 

@@ -379,7 +379,7 @@ _VALUE_MOVES = frozenset(
     }
 )
 #: ``k -> why k-th output's uses are arithmetic, or None``
-_Follow = Callable[..., 'str | None']
+_Follow = Callable[..., "str | None"]
 #: the most equations looked at per call site; a program past it is judged to feed arithmetic
 _MAX_VISITS = 20_000
 
