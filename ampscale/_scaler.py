@@ -295,10 +295,11 @@ class Scaler:
         else:
             new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
         loss_finite = None if loss is None else backend.all_finite([loss])
-        if group is not None:
-            finite = backend.agree(finite, group)
-            if loss_finite is not None:
-                loss_finite = backend.agree(loss_finite, group)
+        if group is not None:  # one collective for both flags where the backend has them
+            if loss_finite is None:
+                finite = backend.agree(finite, group)
+            else:
+                finite, loss_finite = backend.agree_flags(finite, loss_finite, group)
         tree = backend.unflatten(spec, new_leaves)
         if underflow:
             tree = (tree, 0.0 if fraction is None else fraction)

@@ -1016,6 +1016,22 @@ class TorchBackend(Backend, CudaStep):
     def agree(self, finite: Any, group: Any) -> Any:
         if group is None or callable(group):
             return super().agree(finite, group) if group is None else self.as_bool(group(finite), finite)
+        found_inf = torch.logical_not(finite).to(torch.float32)
+        self._all_reduce_max(found_inf, group)
+        return found_inf == 0
+
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        if group is None or callable(group):
+            return super().agree_flags(finite, loss_finite, group)
+        if isinstance(loss_finite, torch.Tensor) and loss_finite.device != finite.device:
+            loss_finite = loss_finite.to(finite.device, non_blocking=True)
+        # one blocking all-reduce for both flags, not one each
+        found_inf = torch.logical_not(torch.stack([finite, loss_finite])).to(torch.float32)
+        self._all_reduce_max(found_inf, group)
+        return found_inf[0] == 0, found_inf[1] == 0
+
+    @staticmethod
+    def _all_reduce_max(found_inf: Any, group: Any) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -1024,9 +1040,7 @@ class TorchBackend(Backend, CudaStep):
                 "initialised (call torch.distributed.init_process_group first)"
             )
         process_group = None if group in (True, "world", dist.group.WORLD) else group
-        found_inf = torch.logical_not(finite).to(torch.float32)
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
-        return found_inf == 0
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         out = []
