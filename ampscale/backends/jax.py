@@ -61,6 +61,11 @@ __all__ = [
     "when_imported",
 ]
 
+_IMMUTABLE = (
+    "JAX arrays cannot be written in place: use a functional update (Scaler.step(update_fn, ...) keeps "
+    "or discards its result on the device, jnp.where(finite, new, old) or jmp's select_tree)"
+)
+
 # ScalerState fields, split by dtype: two buffers instead of twelve. Every separate buffer a
 # jitted call takes or returns costs a few microseconds on XLA's CPU runtime.
 _SCALE_FIELDS = ("scale", "last_scale")
@@ -105,6 +110,13 @@ class JaxBackend(Backend):
     """The JAX adapter."""
 
     name: ClassVar[str] = "jax"
+    mutable_arrays: ClassVar[bool] = False  # JAX arrays cannot be written in place
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        raise TypeError(_IMMUTABLE)
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        raise TypeError(_IMMUTABLE)
 
     # -- arrays and trees -------------------------------------------------------------------
     def owns(self, value: Any) -> bool:

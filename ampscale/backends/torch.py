@@ -14,6 +14,7 @@ updated by the shared transition as tensor operations, asynchronously.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -41,10 +42,17 @@ from ampscale._native.cuda._packed import (
     offset_of,
 )
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
-from ampscale.backends._base import Backend, adapter_ready, internal_overlap_error, may_overlap_itself, overlap_error
+from ampscale.backends._base import (
+    Backend,
+    WriteGuard,
+    adapter_ready,
+    internal_overlap_error,
+    may_overlap_itself,
+    overlap_error,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -1013,6 +1021,45 @@ class TorchBackend(Backend, CudaStep):
             return params, opt_state
         return super().apply_if(finite, update_fn, params, grads, opt_state)
 
+    def apply_in_place(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        if _is_cpu(finite) and not bool(finite):  # host memory: no work on a skipped step
+            return params, opt_state
+        return update_fn(params, grads, opt_state, finite)
+
+    @contextlib.contextmanager
+    def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
+        # torch counts every in-place write into a tensor (or a view of its memory): exact, but
+        # seen after the call, where NumPy's read-only arrays refuse the write itself
+        yield _VersionGuard(arrays)
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        if _is_cpu(finite):
+            if bool(finite):  # host memory: nothing to do on an overflow
+                for target, update in zip(targets, updates, strict=True):
+                    target.add_(update if alpha == 1 else alpha * update)
+            return
+        flag = self.as_bool(finite)
+        for target, update in zip(targets, updates, strict=True):
+            new = target + (update if alpha == 1 else alpha * update)
+            target.copy_(torch.where(flag.to(target.device, non_blocking=True), new, target))
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        if _is_cpu(finite):
+            if bool(finite):
+                for target, value in zip(targets, values, strict=True):
+                    target.copy_(value)
+            return
+        flag = self.as_bool(finite)
+        for target, value in zip(targets, values, strict=True):
+            target.copy_(torch.where(flag.to(target.device, non_blocking=True), value.to(target.dtype), target))
+
     def agree(self, finite: Any, group: Any) -> Any:
         if group is None or callable(group):
             return super().agree(finite, group) if group is None else self.as_bool(group(finite), finite)
@@ -1054,6 +1101,22 @@ class TorchBackend(Backend, CudaStep):
                 )
             )
         return out
+
+
+class _VersionGuard(WriteGuard):
+    """Writes into tensors, seen by their version counters (which views of a tensor share)."""
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
+        super().__init__(exact=True)
+        self.arrays = list(arrays)
+        self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in self.arrays]
+
+    def written(self) -> list[int]:
+        return [
+            i
+            for i, (t, version) in enumerate(zip(self.arrays, self.versions, strict=True))
+            if version is not None and t._version != version
+        ]
 
 
 BACKEND = TorchBackend()
