@@ -1,11 +1,16 @@
-"""JAX helpers: flax's ``DynamicScale`` on ampscale, ``value_and_grad``, and an optax wrapper.
+"""JAX helpers: drop-ins for flax's ``DynamicScale`` and for jmp, ``value_and_grad``, and an optax wrapper.
 
 The scaler itself (``ampscale.create_scaler(backend="jax")``) is a pytree: pass it through
-``jax.jit``, ``lax.scan`` or ``shard_map`` like any other state. Three conveniences build on it:
+``jax.jit``, ``lax.scan`` or ``shard_map`` like any other state. Four conveniences build on it:
 
 * :class:`DynamicScale` takes ``flax.training.dynamic_scale.DynamicScale``'s arguments and gives
   its results bit for bit (float32 gradients divided by the scale, averaged over ``axis_name``,
-  the scale updated inside ``value_and_grad``): a flax program ports by changing the import.
+  the scale updated inside ``value_and_grad``), with flax's pytree leaves (``fin_steps``,
+  ``scale``): a flax program ports by changing the import, and its checkpoints restore.
+* jmp's loss scales (:class:`DynamicLossScale`, :class:`StaticLossScale`,
+  :class:`NoOpLossScale`, :func:`all_finite`, :func:`select_tree`), with jmp's fields, pytree
+  leaves, warnings and dtypes, driven by the ``jmp`` preset; jmp's policies are forwarded, so
+  ``import ampscale.jax as jmp`` ports a jmp program.
 * :func:`value_and_grad` scales the loss, differentiates, unscales the gradients and checks
   them and the scaled loss, in one call (the patent's scale and optimizer-iteration interfaces
   for JAX). It does not update the scaler: pass its ``finite`` to ``scaler.update``.

@@ -75,7 +75,7 @@ if "$py" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout=150); fi
 echo "== GPU tests (one-launch CUDA step, CuPy, torch CUDA, contract and reliability tests on the GPU frameworks)"
 timeout "$(budget "${GPU_TESTS_LIMIT:-150}")" "$py" -m pytest -m gpu "${opts[@]}" \
     tests/test_cuda_gpu.py tests/test_cupy.py tests/test_scaler.py tests/test_overflow_detection.py \
-    tests/test_reliability.py tests/test_torch.py tests/test_examples.py \
+    tests/test_reliability.py tests/test_torch.py tests/test_examples.py tests/test_in_place.py \
     2>&1 | tee "$out/gpu-tests.log"
 code=${PIPESTATUS[0]}
 if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then status=1; fi
