@@ -205,3 +205,31 @@ def test_a_scaler_in_a_train_state_goes_through_flax_serialization() -> None:
         )
     with pytest.raises(ValueError, match="Missing field counters"):
         serialization.from_state_dict(template["scaler"], {"scales": np.ones(2, np.float32)})
+
+
+@pytest.mark.parametrize("flax_first", [True, False])
+def test_the_registration_waits_for_flax_whichever_comes_first(flax_first: bool) -> None:
+    """ampscale never imports flax: the classes are registered with ``flax.serialization`` when
+    it is imported, before or after ampscale."""
+    import subprocess
+    import sys
+
+    imports = ["import flax.serialization", "import ampscale, ampscale.jax"]
+    code = "\n".join(
+        [
+            *(imports if flax_first else imports[::-1]),
+            "import sys, jax.numpy as jnp",
+            "from flax import serialization",
+            "state = {'ds': ampscale.jax.DynamicScale(scale=8.0), 's': ampscale.create_scaler(backend='jax'),",
+            "         'ls': ampscale.jax.DynamicLossScale(jnp.float32(4.0))}",
+            "back = serialization.from_bytes(state, serialization.to_bytes(state))",
+            "print(float(back['ds'].scale), back['s'].get_scale(), float(back['ls'].loss_scale))",
+        ]
+    )
+    if not flax_first:
+        code = "import sys\nassert 'flax' not in sys.modules\n" + code.replace(
+            "import ampscale, ampscale.jax\n", "import ampscale, ampscale.jax\nassert 'flax' not in sys.modules\n", 1
+        )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["8.0", "65536.0", "4.0"]
