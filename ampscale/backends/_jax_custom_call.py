@@ -640,6 +640,23 @@ def _lower_other(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
     return mlir.lower_fun(_xla_path, multiple_results=True)(ctx, inv_scale, *grads)
 
 
+def _lower_per_platform(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    """The CPU, CUDA or other platform's rule, through JAX's own per-platform dispatch (a module
+    lowered for several platforms, for ``jax.export``, gets one branch per platform).
+
+    JAX hands an uncacheable rule a context whose ``avals_out`` is a tuple, which its
+    multi-platform dispatch cannot take (it concatenates a list to it); the dispatch is
+    therefore made here, with a list.
+    """
+    from jax._src.interpreters import mlir as mlir_internal
+
+    ctx = ctx.replace(avals_out=list(ctx.avals_out))
+    rules = {"cpu": _lower_cpu, "cuda": _lower_cuda}
+    return mlir_internal.lower_per_platform(
+        ctx, "ampscale_check_and_unscale", rules, _lower_other, frozenset(), inv_scale, *grads
+    )
+
+
 def _abstract_eval(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
     # The flag has the inverse scale's type (0-d, and under shard_map varying over the same
     # axes as the leaves: the caller made them agree); every leaf keeps its own.
@@ -667,10 +684,9 @@ def _make_primitive() -> Any:
     primitive.multiple_results = True
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
     primitive.def_abstract_eval(_abstract_eval)
-    # uncacheable: each call site is lowered on its own, judged by the uses of its results
-    mlir.register_lowering(primitive, _lower_other, cacheable=False)
-    mlir.register_lowering(primitive, _lower_cpu, platform="cpu", cacheable=False)
-    mlir.register_lowering(primitive, _lower_cuda, platform="cuda", cacheable=False)
+    # Uncacheable: each call site is lowered on its own, judged by the uses of its results. One
+    # rule for every platform, which dispatches per platform itself (_lower_per_platform).
+    mlir.register_lowering(primitive, _lower_per_platform, cacheable=False)
     batching.primitive_batchers[primitive] = _batch
     # Differentiable: the derivative of the pure-XLA path (a multiply by the inverse scale). The
     # rule is the primitive's own rather than a custom_jvp around it, so that the equation sits
