@@ -22,6 +22,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 flax = pytest.importorskip("flax")
+pytest.importorskip("orbax.checkpoint")
 
 import ampscale  # noqa: E402
 import ampscale.jax as ajax  # noqa: E402

@@ -398,8 +398,8 @@ def test_orbax_and_flax_serialization_take_the_drop_in(tmp_path) -> None:
     """jmp's own class cannot be saved by orbax (its ``__post_init__`` rejects orbax's
     placeholder leaves) nor by ``flax.serialization.to_bytes``; the drop-in can, and its saved
     leaves restore into a state holding jmp's class."""
-    import orbax.checkpoint as ocp
-    from flax import serialization
+    ocp = pytest.importorskip("orbax.checkpoint")
+    serialization = pytest.importorskip("flax.serialization")
 
     state = {"w": jnp.ones(3), "ls": ours.DynamicLossScale(jnp.float32(1024.0), jnp.int32(5), period=9)}
     for checkpointer in (ocp.PyTreeCheckpointer(), ocp.StandardCheckpointer()):
