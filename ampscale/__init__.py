@@ -31,13 +31,14 @@ from ampscale._errors import (
     AliasedGradientsError,
     AmpscaleError,
     AmpscaleWarning,
+    InPlaceUpdateError,
     PerformanceWarning,
     ScaleAtFloorError,
     ScaleAtFloorWarning,
     StateDictError,
 )
 from ampscale._info import info
-from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler
+from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler, masked_add_, masked_copy_
 from ampscale._state_dict import FORMAT_VERSION
 from ampscale._version import __version__
 from ampscale.backends import available_backends, get_backend
@@ -54,6 +55,7 @@ __all__ = [
     "AmpscaleWarning",
     "Diagnosis",
     "FloorEvent",
+    "InPlaceUpdateError",
     "LeafReport",
     "OverflowReport",
     "PerformanceWarning",
@@ -73,6 +75,8 @@ __all__ = [
     "doctor",
     "get_backend",
     "info",
+    "masked_add_",
+    "masked_copy_",
 ]
 
 #: helper module -> (the framework it needs, the command that installs it)

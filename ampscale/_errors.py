@@ -6,6 +6,7 @@ __all__ = [
     "AliasedGradientsError",
     "AmpscaleError",
     "AmpscaleWarning",
+    "InPlaceUpdateError",
     "PerformanceWarning",
     "ScaleAtFloorError",
     "ScaleAtFloorWarning",
@@ -46,6 +47,20 @@ class AliasedGradientsError(AmpscaleError, ValueError):
     every place in the tree shows the result. Partial overlap (``[g, g[2:]]``), the same bytes
     seen as two dtypes, a read-only view of a gradient that is unscaled in place, or one array
     whose elements share memory with each other (a stride of 0) is refused.
+    """
+
+
+class InPlaceUpdateError(AmpscaleError, ValueError):
+    """``Scaler.step``'s ``update_fn`` wrote into the arrays it was given, or returned them.
+
+    On a device (CuPy, torch on a GPU, array-API namespaces) ``step`` computes the update before
+    the overflow flag is known and keeps the old values leaf by leaf where the step overflowed,
+    so an update written in place would already hold the overflowed step. It is refused on
+    every backend whose arrays can be written (so a test on the CPU finds it), before the
+    scaler changes: NumPy (and NumPy-backed array-API namespaces) refuse the write itself, so
+    nothing has changed; torch sees it after the call, by the tensors' version counters; CuPy
+    cannot see writes, so it refuses an ``update_fn`` that returns the arrays it was given. For
+    an update in place, pass ``in_place=True`` and apply it with :func:`ampscale.masked_add_`.
     """
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
-from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale._errors import AmpscaleWarning, InPlaceUpdateError, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
 from ampscale.backends._base import name_leaves, when_adapter_ready
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from ampscale.backends._base import Backend
 
-__all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler"]
+__all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler", "masked_add_", "masked_copy_"]
 
 #: ScaleAtFloorErrors raised inside traced (jitted) steps, newest last (see ampscale.jax.floor_errors)
 TRACED_FLOOR_ERRORS: collections.deque[ScaleAtFloorError] = collections.deque(maxlen=64)
@@ -312,10 +312,11 @@ class Scaler:
             else:
                 new_leaves, finite = backend.check_and_unscale_bounded(leaves, inv, self._floor_hint())
             loss_finite = None if loss is None else backend.all_finite([loss])
-            if group is not None:
-                finite = backend.agree(finite, group)
-                if loss_finite is not None:
-                    loss_finite = backend.agree(loss_finite, group)
+            if group is not None:  # one collective for both flags where the backend has them
+                if loss_finite is None:
+                    finite = backend.agree(finite, group)
+                else:
+                    finite, loss_finite = backend.agree_flags(finite, loss_finite, group)
             tree = backend.unflatten(spec, new_leaves)
             if underflow:
                 tree = (tree, 0.0 if fraction is None else fraction)
@@ -425,39 +426,71 @@ class Scaler:
 
     def step(
         self,
-        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+        update_fn: Callable[..., tuple[Any, Any]],
         params: Any,
         grads: Any,
         opt_state: Any,
         *,
         loss: Any = None,
         axis_name: Any = _SCALER_SETTING,
+        in_place: bool = False,
     ) -> tuple[Any, Any, Scaler]:
         """One optimizer iteration: unscale, check, apply ``update_fn`` unless overflowed, update.
 
         Args:
             update_fn: ``(params, grads, opt_state) -> (params, opt_state)``, e.g. one SGD or Adam
-                step. On backends whose flag lives on a device (JAX, CuPy, torch on GPU) it is
-                evaluated and its result discarded leaf by leaf on overflow, so it must be
-                functional; on host backends it is not called at all on overflow.
+                step, functional: it returns new arrays and writes none it was given. On backends
+                whose flag lives on a device (JAX, CuPy, torch on a GPU) it is evaluated on every
+                step and its result discarded leaf by leaf on overflow; on host backends it is
+                not called at all on overflow. Where arrays can be written (NumPy, CuPy, torch,
+                array-API namespaces) an ``update_fn`` that writes into ``params`` or
+                ``opt_state``, or (where writes cannot be seen: CuPy) returns those arrays
+                themselves, raises :class:`InPlaceUpdateError` (see there for what is detected
+                where). With ``in_place=True``: ``(params, grads, opt_state, finite) -> (params,
+                opt_state)``, an update in place that applies itself only where the 0-d flag
+                ``finite`` is true, with :func:`masked_add_` and :func:`masked_copy_` (as
+                torch's fused optimizers take ``found_inf``): no host sync, and on host backends
+                not called on overflow.
             params: a tree of arrays, the parameters.
             grads: a tree of arrays, the (still scaled) gradients.
             opt_state: a tree of arrays, the optimizer state.
             loss: the scaled loss, so that its overflow skips the step too.
             axis_name: see :meth:`unscale`.
+            in_place: ``update_fn`` writes in place and takes the flag (above). Not for JAX,
+                whose arrays cannot be written.
 
         Returns:
             ``(params, opt_state, scaler)``: on an overflowing step ``params`` and ``opt_state``
             are the inputs, bitwise, and the returned scaler has backed off.
 
         Raises:
+            InPlaceUpdateError: ``update_fn`` wrote into the arrays it was given (or returned
+                them, where writes cannot be seen); the scaler is not updated.
+            TypeError: ``in_place`` is not a bool, or ``in_place=True`` on JAX.
             Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying that
                 writable gradients were already unscaled in place and stay so (they cannot be
                 restored exactly), and that the scaler was not updated.
         """
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place must be True or False; got {in_place!r}")
+        backend = self._backend
+        if backend is None:
+            probe = _probe_leaves(grads)
+            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
+        if in_place and not backend.mutable_arrays:
+            raise TypeError(
+                f"in_place=True writes into the parameters, which {backend.name} arrays do not allow: "
+                "use a functional update_fn (in_place=False)"
+            )
         grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
         try:
-            new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
+            if in_place:
+                new_params, new_opt_state = backend.apply_in_place(finite, update_fn, params, grads, opt_state)
+            else:
+                checked = update_fn
+                if backend.mutable_arrays:  # JAX arrays cannot be written: nothing to check
+                    checked = _checked_update(update_fn, backend, params, opt_state)
+                new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state)
         except Exception as exc:
             _note_unscaled(exc, backend)
             raise
@@ -561,6 +594,64 @@ class Scaler:
 
 #: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
 _set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
+
+
+def _checked_update(
+    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, opt_state: Any
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """``update_fn``, refusing (:class:`InPlaceUpdateError`) an update that writes into
+    ``params`` or ``opt_state``, or, where the backend cannot see writes, returns them."""
+    named: list[tuple[str, Any]] = []
+    for prefix, tree in (("params", params), ("opt_state", opt_state)):
+        leaves, spec = backend.flatten(tree)
+        paths = backend.leaf_paths(spec) if leaves else []
+        named += [(prefix + ("" if path == "<root>" else path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
+    named = [(name, leaf) for name, leaf in named if backend.owns(leaf)]
+    watched = [leaf for _, leaf in named]
+
+    def run(p: Any, g: Any, s: Any) -> tuple[Any, Any]:
+        with backend.guard_writes(watched) as guard:
+            try:
+                out = update_fn(p, g, s)
+            except Exception as exc:
+                if guard.refused(exc):
+                    raise InPlaceUpdateError(_in_place_message(backend, "wrote into one of", named, [])) from exc
+                raise
+        written = guard.written()
+        if written:
+            raise InPlaceUpdateError(_in_place_message(backend, "wrote into", named, written))
+        if written is None and watched:
+            given = {id(leaf): i for i, leaf in enumerate(watched)}
+            returned = [given[id(x)] for x in backend.flatten(out)[0] if id(x) in given]
+            if returned:
+                raise InPlaceUpdateError(_in_place_message(backend, "returned", named, sorted(set(returned))))
+        return out
+
+    return run
+
+
+def _in_place_message(backend: Backend, what: str, named: list[tuple[str, Any]], indices: list[int]) -> str:
+    shown = [named[i][0] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
+    which = ", ".join(shown) if shown else f"its arrays ({', '.join(n for n, _ in named[:4])}, ...)"
+    if what == "returned":
+        head = (
+            f"update_fn returned {which}, the arrays it was given: on the {backend.name} backend ampscale "
+            "cannot see whether they were written in place, and on a step that overflowed the select "
+            "keeps the old arrays, which an in-place update has already changed"
+        )
+    else:
+        head = (
+            f"update_fn {what} {which} in place: Scaler.step computes the update before a device's "
+            "overflow flag is known and keeps the old arrays where the step overflowed, so an in-place "
+            f"update would already hold the overflowed step; it is refused on every backend ({backend.name} "
+            "here) so that a test on the CPU finds it"
+        )
+    return (
+        f"{head}. Return new arrays (a functional update; a copy for a leaf it leaves as it is), or "
+        "update in place with the flag: scaler.step(update_fn, ..., in_place=True) passes it as "
+        "update_fn's fourth argument, for ampscale.masked_add_ and ampscale.masked_copy_. The scaler "
+        "was not updated"
+    )
 
 
 def _note_unscaled(exc: BaseException, backend: Backend) -> None:
@@ -845,6 +936,83 @@ def all_finite(tree: Any, *, backend: Any = None) -> Any:
     except Exception as exc:  # an error naming leaves by index: name them by path too
         name_leaves(exc, lambda: resolved.leaf_paths(spec))
         raise
+
+
+def masked_add_(finite: Any, targets: Any, updates: Any, *, alpha: float = 1.0) -> Any:
+    """``t += alpha * u`` in place for every pair of leaves, only where the 0-d flag ``finite``
+    is true: the flag-aware in-place update (as torch's fused optimizers take ``found_inf``).
+
+    Where ``finite`` is false every target keeps its bits, whatever ``updates`` hold (inf, nan).
+    On a device (CuPy, torch on a GPU) it selects on the device: no host sync; on host backends
+    an overflow costs nothing. With ``alpha=-lr`` this is SGD's ``p -= lr * g``, bit for bit.
+    Use it inside an ``update_fn`` given to ``Scaler.step(..., in_place=True)``, or with the flag
+    from :meth:`Scaler.unscale`.
+
+    Args:
+        finite: the step's 0-d bool flag (an array of the targets' framework, or a bool).
+        targets: a tree of writable floating arrays, changed in place.
+        updates: a tree of the same structure, with arrays of the same shapes.
+        alpha: the factor of the updates (a real number).
+
+    Returns:
+        ``targets``.
+
+    Raises:
+        TypeError, ValueError: mismatched trees, shapes or frameworks, read-only targets, a flag
+            that is not 0-d bool, or JAX arrays (immutable); nothing is changed.
+
+    Example:
+        >>> import numpy as np, ampscale
+        >>> params, grads = [np.ones(3, np.float32)], [np.full(3, 2.0, np.float32)]
+        >>> ampscale.masked_add_(np.bool_(True), params, grads, alpha=-0.5)[0]
+        array([0., 0., 0.], dtype=float32)
+        >>> ampscale.masked_add_(np.bool_(False), params, [np.full(3, np.inf, np.float32)])[0]
+        array([0., 0., 0.], dtype=float32)
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {alpha!r}")
+    backend, target_leaves, update_leaves = _masked_arguments(finite, targets, updates, "updates")
+    backend.masked_add_(finite, target_leaves, update_leaves, float(alpha))
+    return targets
+
+
+def masked_copy_(finite: Any, targets: Any, values: Any) -> Any:
+    """``t[...] = v`` in place for every pair of leaves, only where the 0-d flag ``finite`` is
+    true (see :func:`masked_add_`): for optimizer state such as momentum, computed out of place
+    and written back where the step is applied.
+
+    Returns:
+        ``targets``.
+
+    Raises:
+        TypeError, ValueError: as :func:`masked_add_`; nothing is changed.
+    """
+    backend, target_leaves, value_leaves = _masked_arguments(finite, targets, values, "values")
+    backend.masked_copy_(finite, target_leaves, value_leaves)
+    return targets
+
+
+def _masked_arguments(finite: Any, targets: Any, others: Any, name: str) -> tuple[Backend, list[Any], list[Any]]:
+    """Validate a masked update's arguments before anything changes."""
+    _check_flag(finite, "finite")
+    probe = _probe_leaves(targets)
+    backend = backend_of_leaves(probe, "targets") or get_backend("numpy")
+    target_leaves, spec = backend.flatten(targets)
+    other_leaves, other_spec = backend.flatten(others)
+    backend.validate(target_leaves, spec, "target")
+    backend.validate(other_leaves, other_spec, name[:-1])
+    if len(target_leaves) != len(other_leaves):
+        raise ValueError(f"targets has {len(target_leaves)} leaves but {name} has {len(other_leaves)}; they must match")
+    paths = backend.leaf_paths(spec) if target_leaves else []
+    for path, target, other in zip(paths, target_leaves, other_leaves, strict=True):
+        if tuple(target.shape) != tuple(other.shape):
+            raise ValueError(
+                f"target {path} has shape {tuple(target.shape)} but its {name[:-1]} has shape {tuple(other.shape)}"
+            )
+        flags = getattr(target, "flags", None)
+        if flags is not None and getattr(flags, "writeable", True) is False:
+            raise ValueError(f"target {path} is read-only; masked updates write into their targets")
+    return backend, target_leaves, other_leaves
 
 
 def register_with_jax() -> None:

@@ -1,11 +1,16 @@
-"""JAX helpers: flax's ``DynamicScale`` on ampscale, ``value_and_grad``, and an optax wrapper.
+"""JAX helpers: drop-ins for flax's ``DynamicScale`` and for jmp, ``value_and_grad``, and an optax wrapper.
 
 The scaler itself (``ampscale.create_scaler(backend="jax")``) is a pytree: pass it through
-``jax.jit``, ``lax.scan`` or ``shard_map`` like any other state. Three conveniences build on it:
+``jax.jit``, ``lax.scan`` or ``shard_map`` like any other state. Four conveniences build on it:
 
 * :class:`DynamicScale` takes ``flax.training.dynamic_scale.DynamicScale``'s arguments and gives
   its results bit for bit (float32 gradients divided by the scale, averaged over ``axis_name``,
-  the scale updated inside ``value_and_grad``): a flax program ports by changing the import.
+  the scale updated inside ``value_and_grad``), with flax's pytree leaves (``fin_steps``,
+  ``scale``): a flax program ports by changing the import, and its checkpoints restore.
+* jmp's loss scales (:class:`DynamicLossScale`, :class:`StaticLossScale`,
+  :class:`NoOpLossScale`, :func:`all_finite`, :func:`select_tree`), with jmp's fields, pytree
+  leaves, warnings and dtypes, driven by the ``jmp`` preset; jmp's policies are forwarded, so
+  ``import ampscale.jax as jmp`` ports a jmp program.
 * :func:`value_and_grad` scales the loss, differentiates, unscales the gradients and checks
   them and the scaled loss, in one call (the patent's scale and optimizer-iteration interfaces
   for JAX). It does not update the scaler: pass its ``finite`` to ``scaler.update``.
@@ -36,33 +41,43 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, Union
 
 from ampscale._info import missing_framework
 
 try:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 except ModuleNotFoundError as exc:  # say what to install, not only what is missing
     raise missing_framework(__name__, exc) from exc
 
 from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config
-from ampscale._core import ScalerState, initial_values
+from ampscale._core import INT_FIELDS, ScalerState, initial_values, transition
 from ampscale._errors import ScaleAtFloorError
 from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
-from ampscale.backends.jax import BACKEND
+from ampscale.backends.jax import BACKEND, restore_fields, when_imported
 
 __all__ = [
+    "DynamicLossScale",
     "DynamicScale",
     "DynamicScaleResult",
+    "LossScale",
     "LossScaleState",
+    "NoOpLossScale",
     "ScaledGrad",
+    "StaticLossScale",
+    "all_finite",
     "floor_errors",
     "loss_scaled",
     "scaler_of",
+    "select_tree",
     "value_and_grad",
 ]
 
@@ -92,6 +107,8 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     axis_name: Any = _UNSET,
+    *,
+    agree_axes: Any = None,
 ) -> Callable[..., ScaledGrad]:
     """``jax.value_and_grad`` with loss scaling: ``fn(scaler, *args) -> ScaledGrad``.
 
@@ -111,10 +128,18 @@ def value_and_grad(
         axis_name: a mapped axis (``pmap``/``shard_map``) to average the gradients over, as
             flax's ``DynamicScale.value_and_grad`` does: the unscaled gradients are replaced by
             their ``lax.pmean`` and checked after it, and the scaled loss's flag is agreed, so
-            every device gets the same gradients and flags. (For flax's float32 arithmetic,
-            bit for bit, use :class:`DynamicScale`.) ``None``: no averaging and no agreement.
-            Left out, the gradients are not averaged and the flags are agreed over the
-            scaler's own ``axis_name`` setting, if it has one (as :meth:`Scaler.unscale`).
+            every device gets the same gradients and flags. The scaled loss's flag travels
+            in the gradients' own all-reduce (no second collective), and under ``shard_map``
+            on a mesh with more axes (data x model) the flags are also agreed over every axis
+            the averaged gradients still vary over (their model shards), in one more
+            reduction, so devices holding different shards never skip different steps. (For
+            flax's float32 arithmetic, bit for bit, use :class:`DynamicScale`.) ``None``: no
+            averaging and no agreement. Left out, the gradients are not averaged and the
+            flags are agreed over the scaler's own ``axis_name`` setting, if it has one (as
+            :meth:`Scaler.unscale`: one ``pmin`` for both flags).
+        agree_axes: mesh axes to agree on the flags over as well (a name or a tuple): for
+            ``shard_map(..., check_vma=False)``, where JAX does not record which axes a value
+            varies over, name the model axes here.
     """
 
     def scaled(scaler: Scaler, *args: Any) -> tuple[Any, tuple[Any, Any, Any]]:
@@ -129,13 +154,16 @@ def value_and_grad(
         grads, (loss, aux, scaled_loss) = grad_fn(scaler, *args)
         if axis_name is _UNSET or axis_name is None:
             grads, grads_finite, loss_finite, backend = scaler._unscale(grads, scaled_loss, axis_name)
+            if agree_axes is not None:
+                grads_finite, loss_finite = _agree_over_varying(grads_finite, loss_finite, agree_axes)
         else:
             # Averaged first, then checked: a non-finite gradient on any device makes the mean
-            # non-finite on all of them, and so does a sum that overflows.
+            # non-finite on all of them, and so does a sum that overflows. The loss's flag
+            # travels in the same all-reduce; what still varies (model shards) is agreed after.
             grads, _, loss_finite, backend = scaler._unscale(grads, scaled_loss, None)
-            grads = jax.lax.pmean(grads, axis_name)
+            grads, loss_finite = _average(grads, loss_finite, axis_name)
             grads_finite = _all_finite(grads)
-            loss_finite = backend.agree(loss_finite, axis_name)
+            grads_finite, loss_finite = _agree_over_varying(grads_finite, loss_finite, agree_axes)
         finite = backend.logical_and(grads_finite, loss_finite)
         return ScaledGrad(loss, aux, grads, finite, loss_finite)
 
@@ -150,6 +178,45 @@ def _shift(argnums: int | Sequence[int]) -> int | tuple[int, ...]:
 
 def _all_finite(tree: Any) -> Any:
     return BACKEND.all_finite(jax.tree_util.tree_leaves(tree))
+
+
+def _average(grads: Any, loss_finite: Any, axis_name: Any) -> tuple[Any, Any]:
+    """``lax.pmean(grads, axis_name)``, and the scaled loss's flag agreed in the same all-reduce.
+
+    The flag travels as one more operand of the gradients' reduction: 0 where the loss was
+    finite, nan where not (in the first gradient's dtype, so that XLA keeps it in the same
+    all-reduce), and the mean is nan if any device's loss overflowed. So the step costs the
+    gradients' one all-reduce, not a second one for the flag.
+    """
+    if axis_name is None:
+        return grads, loss_finite
+    if loss_finite is None:
+        return jax.lax.pmean(grads, axis_name), None
+    leaves = [x for x in jax.tree_util.tree_leaves(grads) if jnp.issubdtype(x.dtype, jnp.floating)]
+    dtype = leaves[0].dtype if leaves else jnp.float32
+    marker = jnp.where(loss_finite, jnp.zeros((), dtype), jnp.full((), jnp.nan, dtype))
+    grads, marker = jax.lax.pmean((grads, marker), axis_name)
+    return grads, jnp.logical_not(jnp.isnan(marker))
+
+
+def _agree_over_varying(grads_finite: Any, loss_finite: Any, agree_axes: Any) -> tuple[Any, Any]:
+    """The two flags agreed over every mesh axis they still vary over (the model axis of a data
+    x model mesh, after the gradients were averaged over data) and over ``agree_axes``: one
+    ``pmin`` of both, and none at all where they vary over no axis (a 1-D mesh, ``pmap``)."""
+    group = () if agree_axes is None else agree_axes  # () still agrees over the varying axes
+    if loss_finite is None:
+        return (
+            BACKEND.agree(grads_finite, group) if _needs_agreement(grads_finite, agree_axes) else grads_finite
+        ), None
+    if not (_needs_agreement(grads_finite, agree_axes) or _needs_agreement(loss_finite, agree_axes)):
+        return grads_finite, loss_finite
+    return BACKEND.agree_flags(grads_finite, loss_finite, group)  # type: ignore[no-any-return]
+
+
+def _needs_agreement(flag: Any, agree_axes: Any) -> bool:
+    from ampscale.backends.jax import axis_names, varying_axes
+
+    return bool(varying_axes(flag)) or bool(axis_names(agree_axes))
 
 
 # -- flax's DynamicScale ------------------------------------------------------------------------
@@ -175,23 +242,28 @@ class DynamicScaleResult(NamedTuple):
 
 
 _FLAX_NAMES = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")
+#: settings whose state would need more than flax's two leaves
+_STATEFUL = {"hysteresis": 1, "floor_patience": 1}
 
 
 class DynamicScale:
     """``flax.training.dynamic_scale.DynamicScale``, driven by an ampscale scaler (``preset="flax"``).
 
-    Same arguments, same defaults, same pytree use (a field of a flax ``TrainState``,
-    replicated for ``pmap``, passed through ``jit``, ``scan`` and ``shard_map``), same
-    :meth:`value_and_grad`, same results bit for bit: the trajectory of :attr:`scale`, the
-    flag, the loss and the float32 gradients. Port a flax program by changing the import::
+    Same arguments, same defaults, same pytree (its leaves are flax's, ``fin_steps`` and
+    ``scale``, in that order and with those names, so a flax checkpoint restores into it and
+    back: orbax, ``flax.training.checkpoints`` and ``flax.serialization``), the same use (a field
+    of a flax ``TrainState``, replicated for ``pmap``, passed through ``jit``, ``scan`` and
+    ``shard_map``), the same :meth:`value_and_grad`, the same results bit for bit: the trajectory
+    of :attr:`scale`, the flag, the loss and the float32 gradients. Port a flax program by
+    changing the import::
 
         # from flax.training.dynamic_scale import DynamicScale
         from ampscale.jax import DynamicScale
 
-    What ampscale adds: the scaled loss is checked too (``check_loss``), the settings are
-    validated (a ``ValueError`` names the argument), ``on_floor=`` and the other ampscale
-    settings are accepted, and :attr:`scaler` gives the counters, the step outcome and a
-    checkpoint (``scaler.state_dict()``).
+    What ampscale adds: the scaled loss is checked too (``check_loss``), the flag is agreed over
+    every mesh axis the gradients vary over (``agree_axes``), the settings are validated (a
+    ``ValueError`` names the argument), ``on_floor=`` and ``max_scale=`` are accepted, and
+    :attr:`scaler` gives the state as an ampscale scaler (``state_dict()``).
 
     Args:
         growth_factor: the scale is multiplied by it after ``growth_interval + 1`` finite steps
@@ -205,12 +277,13 @@ class DynamicScale:
         check_loss: a scaled loss that is not finite also makes the step non-finite
             (``False``: only the gradients decide, as in flax; they differ only on a step whose
             scaled loss overflows while every gradient stays finite).
-        **settings: any other ``ampscale.create_scaler`` setting (``on_floor``,
-            ``hysteresis``, ``max_scale``, ...).
+        **settings: other ``ampscale.create_scaler`` settings whose state fits in flax's two
+            leaves (``on_floor``, ``max_scale``, ...). ``hysteresis`` and ``floor_patience``
+            need counters of their own: use ``create_scaler(preset="flax", ...)`` for them.
 
     Raises:
         ValueError: an argument is outside its accepted range (the message names it).
-        TypeError: an unknown setting.
+        TypeError: an unknown setting, or one that needs more state than flax's.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -225,10 +298,11 @@ class DynamicScale:
         2048.0
     """
 
-    __slots__ = ("_check_loss", "_scale", "_scaler")
+    __slots__ = ("_check_loss", "_config", "_fin_steps", "_scale")
     _check_loss: bool
+    _config: Any
+    _fin_steps: Any
     _scale: Any
-    _scaler: Scaler
 
     def __init__(
         self,
@@ -249,20 +323,18 @@ class DynamicScale:
                 "here (the scale is scale=, the floor minimum_scale=, the axis is value_and_grad's "
                 "axis_name=, and gradients are always float32, as in flax)"
             )
+        stateful = sorted(name for name, plain in _STATEFUL.items() if settings.get(name, plain) != plain)
+        if stateful:
+            raise TypeError(
+                f"DynamicScale keeps flax's state only (fin_steps and scale, so that flax checkpoints "
+                f"restore into it); {stateful} need counters of their own: use "
+                "ampscale.create_scaler(preset='flax', ...) with ampscale.jax.value_and_grad"
+            )
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
-        known = _concrete(scale)
-        if known is not None and not (
-            math.isfinite(known) and known > 0 and _round_to(known, "float32") not in (0.0, math.inf)
-        ):
-            raise ValueError(f"scale must be a finite number > 0 inside the float32 range; got {scale!r}")
-        if minimum_scale is not None and not (
-            isinstance(minimum_scale, numbers.Real) and math.isfinite(minimum_scale) and minimum_scale >= 0
-        ):
-            raise ValueError(f"minimum_scale must be None or a finite number >= 0; got {minimum_scale!r}")
-        steps = _concrete(fin_steps)
-        if steps is not None and not (steps == int(steps) and INT32_MIN < steps < INT32_MAX):
-            raise ValueError(f"fin_steps must be an integer in the int32 range; got {fin_steps!r}")
+        known = _check_scale(scale)
+        _check_minimum_scale(minimum_scale)
+        _check_fin_steps(fin_steps)
         config = make_config(
             "flax",
             init_scale=65536.0 if known is None else known,
@@ -272,23 +344,17 @@ class DynamicScale:
             min_scale=minimum_scale,
             **settings,
         )
-        values = initial_values(config)
-        fields = ScalerState(
-            *(jnp.asarray(v, dtype=jnp.int32 if isinstance(v, int) else jnp.float32) for v in values)
-        )._replace(growth_tracker=jnp.asarray(fin_steps, dtype=jnp.int32))
-        if known is None:  # a traced scale: the state takes its value
-            traced = jnp.asarray(scale, dtype=jnp.float32)
-            fields = fields._replace(scale=traced, last_scale=traced)
-        _set(self, Scaler(config, BACKEND.pack(fields), BACKEND), scale, check_loss)
+        _set(self, config, fin_steps, scale, check_loss)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"DynamicScale is immutable; use replace() ({name!r})")
 
     def __repr__(self) -> str:
-        c = self._scaler.config
+        c = self._config
         return (
             f"DynamicScale(growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}, "
-            f"growth_interval={c.growth_interval}, minimum_scale={c.min_scale}, check_loss={self._check_loss})"
+            f"growth_interval={c.growth_interval}, fin_steps={self._fin_steps!r}, scale={self._scale!r}, "
+            f"minimum_scale={c.min_scale}, check_loss={self._check_loss})"
         )
 
     # -- flax's fields --------------------------------------------------------------------------
@@ -303,34 +369,37 @@ class DynamicScale:
 
     @property
     def fin_steps(self) -> Any:
-        """Finite steps counted towards the next growth (0-d int32)."""
-        return self._scaler.state.growth_tracker  # type: ignore[union-attr]
+        """Finite steps counted towards the next growth (a 0-d int32 array; ``0`` before the
+        first step, as in flax)."""
+        return self._fin_steps
 
     @property
     def growth_factor(self) -> float:
         """The growth factor (static)."""
-        return float(self._scaler.config.growth_factor)
+        return float(self._config.growth_factor)
 
     @property
     def backoff_factor(self) -> float:
         """The backoff factor (static)."""
-        return float(self._scaler.config.backoff_factor)
+        return float(self._config.backoff_factor)
 
     @property
     def growth_interval(self) -> int:
         """Finite steps, plus one, between growths (flax's count; static)."""
-        return int(self._scaler.config.growth_interval)
+        return int(self._config.growth_interval)
 
     @property
     def minimum_scale(self) -> float | None:
         """The floor of the scale (static)."""
-        return self._scaler.config.min_scale
+        return self._config.min_scale  # type: ignore[no-any-return]
 
     # -- what ampscale adds ---------------------------------------------------------------------
     @property
     def scaler(self) -> Scaler:
-        """The ampscale scaler holding the state: ``outcome``, ``get_stats()``, ``state_dict()``."""
-        return self._scaler
+        """This state as an ampscale scaler (the flax preset with these settings): ``get_scale()``,
+        ``state_dict()``. Only ``scale`` and ``fin_steps`` are state here (flax's two leaves), so
+        its step counters start from zero: count skipped steps from ``value_and_grad``'s flag."""
+        return Scaler(self._config, BACKEND.pack(_fields(self._config, self._fin_steps, self._scale)), BACKEND)
 
     @property
     def check_loss(self) -> bool:
@@ -342,6 +411,7 @@ class DynamicScale:
 
         Raises:
             TypeError: a name that is not one of flax's fields or ``check_loss``.
+            ValueError: a value out of range (named).
         """
         unknown = sorted(set(changes) - {*_FLAX_NAMES, "check_loss"})
         if unknown:
@@ -350,29 +420,18 @@ class DynamicScale:
             key: changes[key] for key in ("growth_factor", "backoff_factor", "growth_interval") if key in changes
         }
         if "minimum_scale" in changes:
+            _check_minimum_scale(changes["minimum_scale"])
             settings["min_scale"] = changes["minimum_scale"]
-            if changes["minimum_scale"] is not None and not (
-                isinstance(changes["minimum_scale"], numbers.Real) and math.isfinite(changes["minimum_scale"])
-            ):
-                raise ValueError(
-                    f"minimum_scale must be None or a finite number >= 0; got {changes['minimum_scale']!r}"
-                )
-        scaler = self._scaler.replace(**settings) if settings else self._scaler
-        scale = self._scale
-        if "scale" in changes or "fin_steps" in changes:
-            fields = BACKEND.unpack(scaler._state)
-            if "scale" in changes:
-                scale = changes["scale"]
-                known = _concrete(scale)
-                if known is not None and not (math.isfinite(known) and known > 0):
-                    raise ValueError(f"scale must be a finite number > 0; got {scale!r}")
-                wide = jnp.asarray(scale, dtype=jnp.float32)
-                fields = fields._replace(scale=wide, last_scale=wide)
-            if "fin_steps" in changes:
-                fields = fields._replace(growth_tracker=jnp.asarray(changes["fin_steps"], dtype=jnp.int32))
-            scaler = Scaler(scaler.config, BACKEND.pack(fields), BACKEND)
+        if "scale" in changes:
+            _check_scale(changes["scale"])
+        if "fin_steps" in changes:
+            _check_fin_steps(changes["fin_steps"])
+        check_loss = changes.get("check_loss", self._check_loss)
+        if not isinstance(check_loss, bool):
+            raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
+        config = self._config.replace(**settings) if settings else self._config
         out = object.__new__(DynamicScale)
-        _set(out, scaler, scale, changes.get("check_loss", self._check_loss))
+        _set(out, config, changes.get("fin_steps", self._fin_steps), changes.get("scale", self._scale), check_loss)
         return out
 
     # -- the gradient --------------------------------------------------------------------------
@@ -382,20 +441,29 @@ class DynamicScale:
         argnums: int | Sequence[int] = 0,
         has_aux: bool = False,
         axis_name: Any = None,
+        *,
+        agree_axes: Any = None,
     ) -> Callable[..., DynamicScaleResult]:
         """flax's ``value_and_grad``: ``fn(*args) -> (dynamic_scale, finite, aux, grad)``.
 
         The loss is multiplied by :attr:`scale` and differentiated; the gradients are cast to
         float32 and divided by the scale; with ``axis_name`` they are averaged over that
         mapped axis (``lax.pmean``, under ``pmap`` or ``shard_map``; under ``jit`` with
-        sharded arrays none is needed) and checked after the averaging, so every device gets
-        the same gradients and flag. The returned ``dynamic_scale`` is already updated.
+        sharded arrays none is needed) and checked after the averaging. The flag is then the
+        same on every device: the scaled loss's flag travels in the same all-reduce as the
+        gradients, and under ``shard_map`` on a mesh with more axes (data x model) the flag is
+        also agreed over every axis the gradients still vary over (their model shards), in one
+        more reduction, so no two devices skip different steps. The returned ``dynamic_scale``
+        is already updated.
 
         Args:
             fun: the loss function (its first output is the loss with ``has_aux``).
             argnums: which positional arguments to differentiate.
             has_aux: whether ``fun`` returns ``(loss, aux)``; ``aux`` is then ``(loss, aux)``.
             axis_name: the mapped axis to average the gradients over (``None``: none).
+            agree_axes: mesh axes to agree on the flag over besides those found (a name or a
+                tuple; for ``shard_map(..., check_vma=False)``, where JAX does not record
+                which axes a value varies over).
         """
         scale = self._scale
 
@@ -412,58 +480,551 @@ class DynamicScale:
             scaled_loss = value[0] if has_aux else value
             loss = scaled_loss / scale
             grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
-            if axis_name is not None:
-                grads = jax.lax.pmean(grads, axis_name)
-            finite = _all_finite(grads)
-            loss_finite = None
-            if self._check_loss:
-                loss_finite = BACKEND.all_finite([scaled_loss])
-                if axis_name is not None:
-                    loss_finite = BACKEND.agree(loss_finite, axis_name)
-                finite = jnp.logical_and(finite, loss_finite)
-            scaler = self._scaler._update(BACKEND, finite, loss_finite)
+            loss_ok = BACKEND.all_finite([scaled_loss]) if self._check_loss else None
+            grads, loss_ok = _average(grads, loss_ok, axis_name)
+            grads_ok = _all_finite(grads)
+            grads_ok, loss_ok = _agree_over_varying(grads_ok, loss_ok, agree_axes)
+            finite = grads_ok if loss_ok is None else jnp.logical_and(grads_ok, loss_ok)
+            state = _fields(self._config, self._fin_steps, scale)
+            updated = Scaler(self._config, BACKEND.pack(state), BACKEND)._update(BACKEND, finite, loss_ok)
+            fields = BACKEND.unpack(updated._state)
             new = object.__new__(DynamicScale)
-            _set(new, scaler, BACKEND.scale_of(scaler._state), self._check_loss)
+            _set(new, self._config, fields.growth_tracker, fields.scale, self._check_loss)
             return DynamicScaleResult(new, finite, (loss, value[1]) if has_aux else loss, grads)
 
         return run
 
 
-def _set(target: DynamicScale, scaler: Scaler, scale: Any, check_loss: bool) -> None:
-    object.__setattr__(target, "_scaler", scaler)
+def _set(target: DynamicScale, config: Any, fin_steps: Any, scale: Any, check_loss: bool) -> None:
+    object.__setattr__(target, "_config", config)
+    object.__setattr__(target, "_fin_steps", fin_steps)
     object.__setattr__(target, "_scale", scale)
     object.__setattr__(target, "_check_loss", check_loss)
 
 
-def _concrete(value: Any) -> float | None:
+def _fields(config: Any, fin_steps: Any, scale: Any) -> ScalerState:
+    """The flax preset's state with flax's two leaves in it (the other fields at their start)."""
+    values = initial_values(config)
+    wide = jnp.asarray(scale, dtype=jnp.float32)
+    fields = ScalerState(
+        *(
+            jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else jnp.float32)
+            for f, v in zip(ScalerState._fields, values, strict=True)
+        )
+    )
+    return fields._replace(scale=wide, last_scale=wide, growth_tracker=jnp.asarray(fin_steps, dtype=jnp.int32))
+
+
+def _check_scale(scale: Any) -> float | None:
+    known = _concrete(scale, "scale")
+    if known is not None and not (
+        math.isfinite(known) and known > 0 and _round_to(known, "float32") not in (0.0, math.inf)
+    ):
+        raise ValueError(f"scale must be a finite number > 0 inside the float32 range; got {scale!r}")
+    return known
+
+
+def _check_minimum_scale(minimum_scale: Any) -> None:
+    if minimum_scale is not None and not (
+        isinstance(minimum_scale, numbers.Real) and math.isfinite(minimum_scale) and float(minimum_scale) >= 0
+    ):
+        raise ValueError(f"minimum_scale must be None or a finite number >= 0; got {minimum_scale!r}")
+
+
+def _check_fin_steps(fin_steps: Any) -> None:
+    steps = _concrete(fin_steps, "fin_steps")
+    if steps is not None and not (steps == int(steps) and INT32_MIN < steps < INT32_MAX):
+        raise ValueError(f"fin_steps must be an integer in the int32 range; got {fin_steps!r}")
+
+
+def _concrete(value: Any, name: str) -> float | None:
     """``value`` as a Python float, or ``None`` when it is traced (its value is not known)."""
     if isinstance(value, jax.core.Tracer):
         return None
-    numeric = isinstance(value, numbers.Real) or hasattr(value, "dtype")
+    numeric = isinstance(value, numbers.Real) or (hasattr(value, "dtype") and np.shape(value) == ())
     if isinstance(value, bool) or not numeric:
-        raise TypeError(f"expected a number or a 0-d array; got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a number or a 0-d array; got {type(value).__name__} {value!r}")
     return float(value)
 
 
 def _register_dynamic_scale() -> None:
-    keys = (jax.tree_util.GetAttrKey("scale"), jax.tree_util.GetAttrKey("scaler"))
+    keys = (jax.tree_util.GetAttrKey("fin_steps"), jax.tree_util.GetAttrKey("scale"))
 
-    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Scaler], bool]:
-        return (ds._scale, ds._scaler), ds._check_loss
+    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, bool]]:
+        return (ds._fin_steps, ds._scale), (ds._config, ds._check_loss)
 
-    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], bool]:
-        return tuple(zip(keys, (ds._scale, ds._scaler), strict=True)), ds._check_loss
+    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, bool]]:
+        return tuple(zip(keys, (ds._fin_steps, ds._scale), strict=True)), (ds._config, ds._check_loss)
 
-    def unflatten(check_loss: bool, children: Any) -> DynamicScale:
+    def unflatten(aux: tuple[Any, bool], children: Any) -> DynamicScale:
         ds = object.__new__(DynamicScale)
-        scale, scaler = children
-        _set(ds, scaler, scale, check_loss)
+        fin_steps, scale = children
+        _set(ds, aux[0], fin_steps, scale, aux[1])
         return ds
 
     jax.tree_util.register_pytree_with_keys(DynamicScale, flatten_with_keys, unflatten, flatten)
 
 
 _register_dynamic_scale()
+
+
+# -- jmp's loss scales ------------------------------------------------------------------------
+#
+# jmp.NoOpLossScale, StaticLossScale and DynamicLossScale, with jmp's constructors, fields,
+# methods, pytree structure, warnings and dtypes, driven by ampscale: ``adjust`` runs the jmp
+# preset's transition, ``unscale`` (for the float32 scales jmp's docs use) the JAX backend's
+# check + unscale, and ``all_finite`` its exact flag. ``import ampscale.jax as jmp`` ports a
+# jmp program; jmp's precision policies (``get_policy``, ...) are jmp's own, forwarded.
+
+T = TypeVar("T")
+
+#: jmp's policy API, forwarded from jmp itself by this module's ``__getattr__``
+_JMP_POLICY_NAMES = ("Policy", "get_policy", "cast_to_full", "cast_to_half", "half_dtype")
+_NARROW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_UNSCALED_BY_KERNEL = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+def _dtype_of(value: Any) -> Any:
+    """The canonical dtype JAX gives ``value`` (a Python number: its default dtype)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return jnp.result_type(value)
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _warn_if_not_floating(value: Any, name: str) -> None:
+    """jmp's warning for a loss scale that is not a floating value (``UserWarning``)."""
+    if type(value) is object:  # JAX's placeholder while it builds a pytree's structure
+        return
+    dtype = _dtype_of(value)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
+
+
+def _is_strong_float32(value: Any) -> bool:
+    """Whether ``value`` is a float32 array or NumPy scalar (not weakly typed): jmp's scale then
+    unscales every floating leaf exactly as ampscale's kernel does (``x * (1 / scale)``)."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        aval = jax.typeof(value)
+        return aval.dtype == np.float32 and not aval.weak_type and aval.shape == ()
+    return isinstance(value, (np.ndarray, np.generic)) and value.dtype == np.float32 and value.shape == ()
+
+
+def _unscale_tree(tree: Any, loss_scale: Any) -> Any:
+    """jmp's ``tree_map(lambda x: x * (1 / loss_scale), tree)``, bit for bit and dtype for dtype.
+
+    With a float32 scale, the floating JAX leaves go through the backend's check + unscale (float16
+    and bfloat16 ones promoted to float32, as jmp's multiply promotes them); every other leaf,
+    and every leaf under another scale (a Python number, a weakly typed or narrower one), is
+    multiplied as jmp multiplies it.
+    """
+    inverse = 1 / loss_scale
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    kernel = []
+    if _is_strong_float32(loss_scale):
+        kernel = [
+            i
+            for i, x in enumerate(leaves)
+            if isinstance(x, (jax.Array, jax.core.Tracer))
+            and np.dtype(x.dtype) in _UNSCALED_BY_KERNEL
+            and not jax.typeof(x).weak_type  # jmp's product of a weak leaf is a strong float32
+        ]
+    out = [None] * len(leaves)
+    if kernel:
+        chosen = BACKEND.promote([leaves[i] for i in kernel])
+        inv = BACKEND.inverse_scale(jnp.asarray(loss_scale))
+        unscaled, _finite = BACKEND.check_and_unscale(chosen, inv)
+        for i, x in zip(kernel, unscaled, strict=True):
+            out[i] = x
+    for i, x in enumerate(leaves):
+        if out[i] is None:
+            out[i] = x * inverse
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """``jmp.NoOpLossScale``: no scaling; ``scale`` and ``unscale`` return their argument itself.
+
+    A pytree without leaves, as jmp's.
+    """
+
+    @property
+    def loss_scale(self) -> int:
+        """``1``, as in jmp."""
+        return 1
+
+    def scale(self, tree: T) -> T:
+        """``tree`` itself."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """``tree`` itself."""
+        return tree
+
+    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        """This loss scale (nothing to adjust)."""
+        del grads_finite
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """``jmp.StaticLossScale``: scales and unscales by a fixed constant.
+
+    A pytree without leaves (the loss scale is part of its structure), as jmp's.
+
+    Attributes:
+        loss_scale: the constant (any number or 0-d array).
+    """
+
+    loss_scale: Any
+
+    def scale(self, tree: T) -> T:
+        """Every leaf multiplied by :attr:`loss_scale` (JAX's promotion: a float32 array scale
+        makes float16 leaves float32; a Python number keeps each leaf's dtype)."""
+        return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)  # type: ignore[no-any-return]
+
+    def unscale(self, tree: T) -> T:
+        """Every leaf multiplied by ``1 / loss_scale`` (with the same promotion)."""
+        return _unscale_tree(tree, self.loss_scale)  # type: ignore[no-any-return]
+
+    def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """This loss scale (a static one does not change)."""
+        del grads_finite
+        return self
+
+
+class _Fixed:
+    """A value kept in a pytree's static structure (hashed and compared by dtype and value)."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self, value: Any, name: str) -> None:
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(
+                f"{name} is part of the loss scale's static structure (it is not a pytree leaf, as in "
+                f"jmp), so it must be a concrete value; got a traced {jax.typeof(value)}: build the loss "
+                "scale with a concrete min_loss_scale"
+            )
+        self.value = value
+        self.key = (type(value).__name__, str(_dtype_of(value)), np.asarray(value).tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Fixed) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """``jmp.DynamicLossScale``, driven by ampscale's scaler (``preset="jmp"``).
+
+    Every ``period`` finite steps in a row the scale is multiplied by ``factor`` (unless that
+    overflows its dtype); on a non-finite step it is divided by ``factor``, never below
+    ``min_loss_scale``, and the counter restarts. Same constructor, fields, methods, pytree
+    leaves (``loss_scale`` and ``counter``, in that order, unnamed as jmp's) and results, bit for
+    bit and dtype for dtype, as jmp's; a jmp checkpoint restores into it and back. Port a jmp
+    program by its import::
+
+        # import jmp
+        import ampscale.jax as jmp
+
+    Two differences, both fixes: ``min_loss_scale`` is kept in the pytree's static structure, so
+    no ``jit`` or ``tree_map`` round trip resets it to 1 (jmp drops it); and a ``min_loss_scale``
+    of 0 (or below float32's smallest normal value) stops the scale at that smallest normal
+    value, where jmp's scale reaches 0 and every later step overflows.
+
+    Attributes:
+        loss_scale: the current scale (a float32 array, as jmp's docs build it; any floating
+            value: float16 and bfloat16 ones follow jmp's arithmetic in their dtype, float64
+            under ``jax_enable_x64``). A value that is not floating warns, as in jmp.
+        counter: finite steps counted towards the next growth (int32).
+        period: finite steps in a row between growths (a whole number >= 1).
+        factor: the growth factor; the backoff divides by it (> 1).
+        min_loss_scale: the floor of the scale.
+
+    Raises:
+        ValueError: ``period`` or ``factor`` out of range (the message names it).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import ampscale.jax as jmp
+        >>> loss_scale = jmp.DynamicLossScale(jnp.float32(2**15), period=2)
+        >>> grads = loss_scale.unscale({"w": jnp.full(2, 2.0**15)})
+        >>> loss_scale = loss_scale.adjust(jmp.all_finite(grads))
+        >>> grads["w"].tolist(), int(loss_scale.counter)
+        ([1.0, 1.0], 1)
+        >>> float(loss_scale.adjust(jnp.bool_(True)).loss_scale)
+        65536.0
+    """
+
+    loss_scale: Any
+    counter: Any = dataclasses.field(default_factory=lambda: np.zeros([], np.int32))
+    period: int = 2000
+    factor: int = 2
+    min_loss_scale: Any = dataclasses.field(default_factory=lambda: np.ones([], np.float32))
+
+    def __post_init__(self) -> None:
+        _warn_if_not_floating(self.loss_scale, "loss_scale")
+        _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
+        _check_jmp_settings(self.period, self.factor)
+        _Fixed(self.min_loss_scale, "min_loss_scale")
+
+    def scale(self, tree: T) -> T:
+        """Every leaf multiplied by :attr:`loss_scale` (JAX's promotion)."""
+        return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)  # type: ignore[no-any-return]
+
+    def unscale(self, tree: T) -> T:
+        """Every leaf multiplied by ``1 / loss_scale``, as jmp's (float16 leaves become float32
+        with a float32 scale); with a float32 scale through ampscale's check + unscale."""
+        return _unscale_tree(tree, self.loss_scale)  # type: ignore[no-any-return]
+
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """The next loss scale, given whether this step's gradients were finite (a 0-d bool).
+
+        Raises:
+            AssertionError: ``grads_finite`` is not 0-d (jmp's check).
+            TypeError: ``loss_scale`` and ``min_loss_scale`` have dtypes jmp cannot combine
+                (jmp's ``lax.select`` error).
+        """
+        assert grads_finite.ndim == 0, "Expected boolean scalar"
+        scale_type, counter_type = _jmp_types(
+            self.loss_scale, self.min_loss_scale, self.counter, grads_finite, self.period, self.factor
+        )
+        config = _jmp_config(self.period, self.factor, float(np.asarray(self.min_loss_scale)), scale_type.dtype)
+        args = (self.loss_scale, self.counter, grads_finite)
+        # Compiled, XLA divides by a constant factor by multiplying with its reciprocal (jmp's
+        # adjust under jit does too); op by op it divides. The two differ only for a factor that
+        # is not a power of two, where an eager call runs op by op, as jmp's eager call does.
+        eager_exact = _is_power_of_two(float(config.growth_value))
+        traced = any(isinstance(a, jax.core.Tracer) for a in args)
+        adjust = _jmp_adjust_jit if not traced and eager_exact else _jmp_adjust
+        scale, counter = adjust(config, *args, np.dtype(scale_type.dtype))
+        return _dynamic_loss_scale(
+            _typed(scale, scale_type), _typed(counter, counter_type), self.period, self.factor, self.min_loss_scale
+        )
+
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 - jmp's alias
+
+
+def _check_jmp_settings(period: Any, factor: Any) -> None:
+    real = isinstance(period, numbers.Real) and not isinstance(period, bool)
+    if not real or float(period) != int(float(period)) or float(period) < 1:
+        raise ValueError(f"period must be a whole number >= 1 (finite steps between growths); got {period!r}")
+    real = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
+    if not real or not (math.isfinite(float(factor)) and float(factor) > 1):
+        raise ValueError(
+            f"factor must be a finite number > 1 (the growth factor; backoff divides by it); got {factor!r}"
+        )
+
+
+def _is_jax(value: Any) -> bool:
+    return isinstance(value, (jax.Array, jax.core.Tracer))
+
+
+def _aval(value: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value of a JAX array: dtype, shape and weak type."""
+    aval = jax.typeof(value)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _jmp_types(scale: Any, floor: Any, counter: Any, finite: Any, period: Any, factor: Any) -> tuple[Any, Any]:
+    """The dtypes (and weak types) jmp's ``adjust`` gives the scale and the counter.
+
+    The grown scale has the scale's type, the backed-off one that of ``maximum(min_loss_scale,
+    scale / factor)``, and the two must agree (jmp selects between them with ``lax.select``,
+    which raises jmp's ``TypeError`` otherwise); the counter's is that of ``((counter + 1) %
+    period) * finite``. NumPy and Python values take part as themselves (jmp computes with them
+    on the host before JAX sees them), JAX arrays by their abstract values; the latter case,
+    every step after the first, is cached.
+    """
+    values = (scale, floor, counter, finite)
+    if all(_is_jax(v) for v in values):
+        return _jmp_types_cached(*(_aval(v) for v in values), period, factor)
+    traced = [i for i, v in enumerate(values) if _is_jax(v)]
+
+    def types(*args: Any) -> tuple[Any, Any]:
+        scale, floor, counter, finite = (args[traced.index(i)] if i in traced else v for i, v in enumerate(values))
+        return _jmp_type_rule(scale, floor, counter, finite, period, factor)
+
+    return jax.eval_shape(types, *(_aval(values[i]) for i in traced))  # type: ignore[no-any-return]
+
+
+def _jmp_type_rule(scale: Any, floor: Any, counter: Any, finite: Any, period: Any, factor: Any) -> tuple[Any, Any]:
+    grown = jax.lax.select(jnp.asarray(counter == period - 1), scale * factor, scale)
+    new_scale = jax.lax.select(finite, grown, jnp.maximum(floor, scale / factor))
+    return new_scale, ((counter + 1) % period) * finite
+
+
+@functools.lru_cache(maxsize=256)
+def _jmp_types_cached(*args: Any) -> tuple[Any, Any]:
+    return jax.eval_shape(lambda *v: _jmp_type_rule(*v, *args[4:]), *args[:4])  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=256)
+def _jmp_config(period: Any, factor: Any, floor: float, dtype: Any) -> Any:
+    """The ``jmp`` preset's settings for a loss scale of ``dtype`` (float16 and bfloat16 scales
+    run in float32, with the factor rounded to their dtype, as jmp's multiply rounds it)."""
+    wide = np.dtype(dtype) == np.float64
+    if np.dtype(dtype) in _NARROW:
+        factor = float(np.asarray(factor, dtype))
+    floor_value = floor if floor >= (FLOAT32_TINY if not wide else 0.0) and floor > 0 else None
+    return make_config(
+        "jmp",
+        init_scale=floor_value if floor_value is not None and floor_value > 1.0 else 1.0,
+        growth_interval=int(period),
+        growth_factor=float(factor),
+        min_scale=floor_value,
+        scale_dtype="float64" if wide else "float32",
+        factor_precision="float64" if wide else "float32",
+    )
+
+
+def _is_power_of_two(value: float) -> bool:
+    return math.frexp(value)[0] == 0.5
+
+
+def _jmp_adjust(config: Any, loss_scale: Any, counter: Any, finite: Any, dtype: Any) -> tuple[Any, Any]:
+    """One step of the jmp preset's transition from jmp's two leaves; the new ``(scale, counter)``."""
+    storage = jnp.float64 if config.scale_dtype == "float64" else jnp.float32
+    ops = BACKEND.ops(config, None)
+    values = initial_values(config)
+    fields = ScalerState(
+        *(
+            jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else storage)
+            for f, v in zip(ScalerState._fields, values, strict=True)
+        )
+    )
+    scale = jnp.asarray(loss_scale, storage)
+    fields = fields._replace(scale=scale, last_scale=scale, growth_tracker=jnp.asarray(counter, jnp.int32))
+    finite = jnp.asarray(finite, jnp.bool_)
+    new, _floor_event = transition(ops.config, fields, finite, True, ops)
+    new_scale = new.scale
+    if dtype in _NARROW:
+        # jmp grows in the scale's own dtype and keeps the old scale where that overflows it
+        narrow = new_scale.astype(dtype)
+        new_scale = jnp.where(jnp.isinf(narrow) & ~jnp.isinf(scale), scale, new_scale)
+    return new_scale, new.growth_tracker
+
+
+_jmp_adjust_jit = jax.jit(_jmp_adjust, static_argnums=(0, 4))
+
+
+def _typed(value: Any, aval: Any) -> Any:
+    """``value`` converted to ``aval``'s dtype and weak type."""
+    out = jnp.asarray(value).astype(aval.dtype)
+    if aval.weak_type:
+        from jax._src.lax.lax import _convert_element_type
+
+        out = _convert_element_type(out, aval.dtype, weak_type=True)
+    return out
+
+
+def _dynamic_loss_scale(loss_scale: Any, counter: Any, period: Any, factor: Any, floor: Any) -> DynamicLossScale:
+    """A :class:`DynamicLossScale` made without ``__init__`` (no warning, no check): for the
+    pytree's unflatten and ``adjust``, whose values are JAX's own."""
+    out = object.__new__(DynamicLossScale)
+    for name, value in (
+        ("loss_scale", loss_scale),
+        ("counter", counter),
+        ("period", period),
+        ("factor", factor),
+        ("min_loss_scale", floor),
+    ):
+        object.__setattr__(out, name, value)
+    return out
+
+
+def all_finite(tree: Any) -> Any:
+    """``jmp.all_finite``: a 0-d bool array, whether every element of every leaf is finite.
+
+    Floating JAX arrays are checked by ampscale's exact flag (fused by XLA); any other leaf (an
+    integer array, a NumPy array, a Python number) as jmp checks it. An empty tree is finite.
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    checked = [
+        x for x in leaves if isinstance(x, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    flags = [BACKEND.all_finite(checked)] if checked else []
+    flags += [jnp.all(jnp.isfinite(x)) for x in leaves if not any(x is y for y in checked)]
+    return jnp.stack(flags).all()
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """``jmp.select_tree``: ``a`` where the 0-d bool ``pred`` is true, else ``b``, leaf by leaf
+    (``lax.select``: the two trees' leaves must have the same shapes and dtypes).
+
+    Raises:
+        AssertionError: ``pred`` is not a 0-d bool array (jmp's check).
+    """
+    assert pred.ndim == 0 and pred.dtype == jnp.bool_, "expected boolean scalar"  # noqa: PT018 - jmp's message
+    return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)  # type: ignore[no-any-return]
+
+
+def _register_jmp_classes() -> None:
+    for cls in (NoOpLossScale, StaticLossScale):  # no leaves: the object is its own structure
+        jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
+
+    def flatten(ls: DynamicLossScale) -> tuple[tuple[Any, Any], tuple[Any, Any, _Fixed]]:
+        return (ls.loss_scale, ls.counter), (ls.period, ls.factor, _Fixed(ls.min_loss_scale, "min_loss_scale"))
+
+    def unflatten(aux: tuple[Any, Any, _Fixed], children: Any) -> DynamicLossScale:
+        period, factor, floor = aux
+        loss_scale, counter = children
+        return _dynamic_loss_scale(loss_scale, counter, period, factor, floor.value)
+
+    # registered without keys, as jmp's: the leaves' paths are their indices, 0 and 1
+    jax.tree_util.register_pytree_node(DynamicLossScale, flatten, unflatten)
+
+
+_register_jmp_classes()
+
+
+def _register_flax_serialization(serialization: Any) -> None:
+    """``flax.serialization`` for :class:`DynamicScale` (flax's fields, ``fin_steps`` and
+    ``scale``, and flax's errors) and :class:`DynamicLossScale` (``loss_scale``, ``counter``)."""
+
+    def fields(*names: str) -> tuple[Any, Any]:
+        def to_state(value: Any) -> dict[str, Any]:
+            return {name: serialization.to_state_dict(getattr(value, name)) for name in names}
+
+        def from_state(target: Any, state: dict[str, Any]) -> Any:
+            template = {name: getattr(target, name) for name in names}
+            values = restore_fields(serialization, type(target).__name__, template, state)
+            if isinstance(target, DynamicScale):
+                return target.replace(**values)
+            return dataclasses.replace(target, **values)
+
+        return to_state, from_state
+
+    serialization.register_serialization_state(DynamicScale, *fields("fin_steps", "scale"), override=True)
+    serialization.register_serialization_state(DynamicLossScale, *fields("loss_scale", "counter"), override=True)
+
+
+when_imported("flax.serialization", _register_flax_serialization)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _JMP_POLICY_NAMES:
+        try:
+            import jmp  # type: ignore[import-untyped]
+        except ModuleNotFoundError as exc:
+            raise AttributeError(
+                f"ampscale.jax.{name} is jmp's precision policy API, forwarded from jmp, which is not "
+                "installed (pip install jmp); loss scaling needs no policy"
+            ) from exc
+        return getattr(jmp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- optax --------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ GPU_TEST_FILES = (
     "tests/test_torch.py",
     "tests/test_examples.py",
     "tests/test_docs.py",
+    "tests/test_in_place.py",
 )
 JAX_TEST_FILES = ("tests/test_jax_cuda_gpu.py", "tests/test_scaler.py", "tests/test_overflow_detection.py")
 

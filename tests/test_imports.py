@@ -36,10 +36,10 @@ def test_public_surface() -> None:
     assert sorted(ampscale.__all__) == sorted(
         [
             "FORMAT_VERSION", "PRESETS", "AliasedGradientsError", "AmpscaleError", "AmpscaleWarning", "Diagnosis",
-            "FloorEvent", "LeafReport", "OverflowReport", "PerformanceWarning", "Preset", "ScaleAtFloorError",
-            "ScaleAtFloorWarning", "Scaler", "ScalerConfig", "ScalerState", "StateDictError", "StepOutcome",
-            "__version__", "all_finite", "available_backends", "create_scaler", "diagnose", "doctor",
-            "get_backend", "info",
+            "FloorEvent", "InPlaceUpdateError", "LeafReport", "OverflowReport", "PerformanceWarning", "Preset",
+            "ScaleAtFloorError", "ScaleAtFloorWarning", "Scaler", "ScalerConfig", "ScalerState", "StateDictError",
+            "StepOutcome", "__version__", "all_finite", "available_backends", "create_scaler", "diagnose",
+            "doctor", "get_backend", "info", "masked_add_", "masked_copy_",
         ]
     )  # fmt: skip
     for name in ampscale.__all__:

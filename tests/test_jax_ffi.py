@@ -8,6 +8,7 @@ CPU devices, with and without donation, and with the custom call turned off.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def test_scan_vmap_grad_and_transfer_guard() -> None:
         scaler, g = carry
         g = jnp.where(poison, jnp.inf, g)
         (g,), finite, scaler = _scaled_step(scaler, [g])
-        return (scaler, g * 2), finite
+        return (scaler, g), finite  # carried as is: no arithmetic on it, so the custom call runs
 
     poison = jnp.array([False, False, True, False])
     scan = jax.jit(lambda s, g: jax.lax.scan(body, (s, g), poison))
@@ -494,3 +495,104 @@ def test_info_and_doctor_show_it(capsys) -> None:
     with _jax_custom_call.use_custom_call(False):
         assert ampscale.doctor(scaler).evidence["jax custom call"].startswith("off (pure-XLA path)")
     assert "jax custom call" not in ampscale.doctor(ampscale.create_scaler(backend="numpy").update(True)).evidence
+
+
+# ------------------------------------------------------------------------------ where the results go
+
+
+def _lowering(fn, *args) -> tuple[bool, str]:
+    text = jax.jit(fn).lower(*args).as_text()
+    return TARGET in text, str(jax_backend.custom_call_status().last_lowering)
+
+
+def _sgd(p, g, s):
+    return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g), s
+
+
+def test_the_custom_call_only_where_nothing_computes_with_its_results() -> None:
+    """The custom call where the unscaled gradients are returned, carried by a loop, reduced
+    across devices or passed to another call; the pure-XLA path (which XLA fuses into the
+    arithmetic, as in a program without ampscale) where any of them feeds more arithmetic in
+    the same computation, whatever the transformations between the two."""
+    scaler = ampscale.create_scaler(backend="jax", init_scale=4.0)
+    grads = {"a": jnp.ones(5), "b": jnp.ones((2, 3))}
+    double = functools.partial(jax.tree_util.tree_map, lambda x: x * 2)
+
+    def carried(s, g):
+        def body(carry, _):
+            s, g = carry
+            g, finite = s.unscale(g)
+            return (s.update(finite), g), finite
+
+        return jax.lax.scan(body, (s, g), None, length=3)
+
+    def doubled_in_the_loop(s, g):
+        def body(carry, _):
+            s, g = carry
+            g, finite = s.unscale(g)
+            return (s.update(finite), double(g)), finite
+
+        return jax.lax.scan(body, (s, g), None, length=3)
+
+    def while_loop(s, g, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: (c[0].update(c[0].unscale(c[1])[1]), c[1]), (s, g))
+
+    uses_nothing = {
+        "returned": lambda s, g: s.unscale(g),
+        "picked by a where, then returned": lambda s, g: (
+            lambda out, finite: jax.tree_util.tree_map(lambda x, y: jnp.where(finite, x, y), out, g)
+        )(*s.unscale(g)),
+        "carried by a scan": carried,
+        "returned from a nested jit": lambda s, g: jax.jit(lambda s, g: s.unscale(g))(s, g),
+        "passed through a cond": lambda s, g: jax.lax.cond(True, lambda g: g, lambda g: g, s.unscale(g)[0]),
+        "under remat": lambda s, g: jax.checkpoint(lambda g: s.unscale(g)[0])(g),
+    }
+    for name, fn in uses_nothing.items():
+        used, why = _lowering(fn, scaler, grads)
+        assert used, name
+        assert why == "custom call", name
+    used, why = _lowering(while_loop, scaler, grads, 3)
+    assert used
+    assert why == "custom call"
+
+    computes = {
+        "doubled": (lambda s, g: double(s.unscale(g)[0]), "mul"),
+        "an SGD step through Scaler.step": (lambda s, g: s.step(_sgd, g, g, ())[0], "mul"),
+        "doubled inside the loop that carries it": (doubled_in_the_loop, "mul"),
+        "added to after a nested jit": (
+            lambda s, g: jax.tree_util.tree_map(lambda x: x + 1, jax.jit(lambda s, g: s.unscale(g)[0])(s, g)),
+            "add",
+        ),
+        "added to inside a cond": (
+            lambda s, g: jax.lax.cond(True, lambda g: double(g), lambda g: g, s.unscale(g)[0]),
+            "mul",
+        ),
+    }
+    for name, (fn, primitive) in computes.items():
+        used, why = _lowering(fn, scaler, grads)
+        assert not used, name
+        assert why.startswith("XLA path: its results feed further XLA arithmetic"), name
+        assert f"({primitive})" in why, name
+    # one leaf that feeds arithmetic is enough: its call takes the pure-XLA path
+    used, why = _lowering(lambda s, g: (lambda out: (out["a"] * 2, out["b"]))(s.unscale(g)[0]), scaler, grads)
+    assert not used
+    # and the bits are the same either way
+    for fn in (uses_nothing["returned"], computes["doubled"][0]):
+        with _jax_custom_call.use_custom_call(False):
+            off = jax.jit(fn)(scaler, grads)
+        np.testing.assert_array_equal(
+            np.concatenate([_bits(x).ravel() for x in jax.tree_util.tree_leaves(jax.jit(fn)(scaler, grads))]),
+            np.concatenate([_bits(x).ravel() for x in jax.tree_util.tree_leaves(off)]),
+        )
+
+
+def test_a_lowering_that_cannot_be_inspected_takes_the_exact_path(monkeypatch) -> None:
+    """Where the uses cannot be read (a JAX whose lowering is built otherwise), the pure-XLA
+    path, which is exact, with one ``PerformanceWarning`` that says why."""
+    monkeypatch.setattr(_jax_custom_call, "_enclosing_jaxprs", lambda: None)
+    monkeypatch.setattr(_jax_custom_call, "_warned_frames", False)
+    scaler = ampscale.create_scaler(backend="jax", init_scale=4.0)
+    with pytest.warns(ampscale.PerformanceWarning, match="cannot be inspected"):
+        used, why = _lowering(lambda s, g: s.unscale(g), scaler, [jnp.ones(3)])
+    assert not used
+    assert "unknown" in why

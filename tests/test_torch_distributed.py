@@ -164,6 +164,43 @@ def _cpu_growth_near_the_ceiling(rank: int, scaler_class: type) -> dict:
     return {"scale": scaler.get_scale()}
 
 
+def _collectives(rank: int) -> dict:
+    """The core scaler with ``loss=`` on ``axis_name="world"``: the all-reduces each step makes
+    (counted by wrapping ``torch.distributed.all_reduce``) and what the ranks decided."""
+    import ampscale
+
+    calls: list[tuple[int, ...]] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    def sgd(params, grads, state):
+        return [p - 0.1 * g for p, g in zip(params, grads, strict=True)], state
+
+    dist.all_reduce = counting
+    try:
+        scaler = ampscale.create_scaler(backend="torch", axis_name="world", init_scale=4.0, growth_interval=2)
+        params = [torch.zeros(5), torch.zeros(3)]
+        steps = []
+        # (rank whose gradient overflows, rank whose scaled loss overflows), per step
+        for grad_rank, loss_rank in ((None, None), (0, None), (None, 1), (None, None), (1, 0)):
+            grads = [torch.full((5,), 8.0), torch.full((3,), 4.0)]
+            if rank == grad_rank:
+                grads[1][2] = float("inf")
+            loss = torch.tensor(float("inf") if rank == loss_rank else 3.0)
+            start = len(calls)
+            params, _, scaler = scaler.step(sgd, params, grads, (), loss=loss)
+            steps.append({"calls": calls[start:], "reason": scaler.outcome.reason_name(int(scaler.outcome.reason))})
+        start = len(calls)
+        _, _finite = scaler.unscale([torch.full((2,), 1.0)])  # no loss: the gradients' flag alone
+        steps.append({"calls": calls[start:], "reason": "unscale only"})
+        return {"steps": steps, "stats": scaler.get_stats(), "params": [p.tolist() for p in params]}
+    finally:
+        dist.all_reduce = real
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import warnings
 
@@ -187,6 +224,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     ):
         out[f"fsdp2-{name}"] = _fsdp2(rank, cls)
     out["world"] = _world_group(rank)
+    out["collectives"] = _collectives(rank)
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -246,6 +284,20 @@ def test_documented_differences_from_torchs_sharded_scaler(ranks: list[dict]) ->
     # CPU update: torch's sharded scaler multiplies in float32 without the finiteness check
     assert [r["ceiling-torch"]["scale"] for r in ranks] == [float("inf")] * 2
     assert [r["ceiling-ampscale"]["scale"] for r in ranks] == [2.0**127] * 2
+
+
+def test_one_all_reduce_per_step_for_both_flags(ranks: list[dict]) -> None:
+    """The core scaler with ``loss=`` and a process group: one blocking all-reduce per step,
+    of a 2-element buffer holding both flags (it was two, the gradients' then the loss's), and
+    the ranks still agree on both: the same reasons, counters, scale and parameters."""
+    for out in ranks:
+        steps = out["collectives"]["steps"]
+        assert [s["calls"] for s in steps[:-1]] == [[(2,)]] * 5
+        assert steps[-1]["calls"] == [()]  # unscale without a loss: the one flag
+        assert [s["reason"] for s in steps[:-1]] == ["applied", "gradients", "loss", "applied", "loss"]
+    assert ranks[0]["collectives"]["stats"] == ranks[1]["collectives"]["stats"]
+    assert ranks[0]["collectives"]["stats"]["loss_overflows"] == 2
+    assert ranks[0]["collectives"]["params"] == ranks[1]["collectives"]["params"]
 
 
 def test_sharded_scalers_keep_the_outputs_dtype() -> None:

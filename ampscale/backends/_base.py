@@ -9,9 +9,12 @@ itself (:mod:`ampscale._core`) is never re-implemented here.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import numpy as np
 
 from ampscale import _tree
 from ampscale._core import INT_FIELDS, ScalerState, transition
@@ -25,12 +28,15 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAMEWORK_MODULES",
     "Backend",
+    "ReadOnlyGuard",
+    "WriteGuard",
     "adapter_ready",
     "framework_of",
     "leaf_error",
     "leaf_label",
     "may_overlap_itself",
     "name_leaves",
+    "read_only",
     "when_adapter_ready",
 ]
 
@@ -171,6 +177,50 @@ def meta_error(index: int, what: str = "gradient") -> ValueError:
     )
 
 
+class WriteGuard:
+    """What a backend can tell about writes into some arrays while ``update_fn`` runs.
+
+    Attributes:
+        exact: whether :meth:`written` sees every in-place write into the guarded arrays (a
+            write through another view of their memory included, where the framework tracks it).
+    """
+
+    def __init__(self, exact: bool = False) -> None:
+        self.exact = exact
+
+    def written(self) -> list[int] | None:
+        """The indices of the guarded arrays written in place (``None``: the backend cannot tell)."""
+        return [] if self.exact else None
+
+    def refused(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the framework refusing a write into a guarded (read-only) array."""
+        return False
+
+
+class ReadOnlyGuard(WriteGuard):
+    """The guard of arrays made read-only for the call: the framework refuses the first write."""
+
+    def refused(self, exc: BaseException) -> bool:
+        return isinstance(exc, ValueError) and "read-only" in str(exc)
+
+
+@contextlib.contextmanager
+def read_only(arrays: Sequence[Any], holder: Callable[[Any], Any] = lambda a: a) -> Iterator[None]:
+    """Make the NumPy arrays among ``holder(a) for a in arrays`` read-only while the block runs
+    (an in-place write then raises ``ValueError: ... read-only``), and writable again after."""
+    flipped = []
+    for array in arrays:
+        held = holder(array)
+        if isinstance(held, np.ndarray) and held.flags.writeable:
+            held.flags.writeable = False
+            flipped.append(held)
+    try:
+        yield
+    finally:
+        for held in flipped:
+            held.flags.writeable = True
+
+
 class Backend(abc.ABC):
     """One framework's adapter. Instances are singletons obtained from the registry.
 
@@ -181,12 +231,15 @@ class Backend(abc.ABC):
         in_place: whether writable gradients are unscaled in place.
         lazy_state: whether the state is created on the device of the first arrays seen
             (rather than at ``create_scaler`` time), as ``torch.amp.GradScaler`` does.
+        mutable_arrays: whether the framework's arrays can be written in place (JAX's cannot);
+            ``Scaler.step`` then refuses an ``update_fn`` that writes into what it was given.
     """
 
     name: ClassVar[str]
     host_state: ClassVar[bool] = False
     in_place: ClassVar[bool] = False
     lazy_state: ClassVar[bool] = False
+    mutable_arrays: ClassVar[bool] = True
 
     # -- arrays and trees -------------------------------------------------------------------
     @abc.abstractmethod
@@ -496,6 +549,46 @@ class Backend(abc.ABC):
             self.select_tree(finite, new_opt_state, opt_state),
         )
 
+    def apply_in_place(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        """``update_fn(params, grads, opt_state, finite)``: an update that writes in place and
+        takes the flag, applying itself only where it is true (:func:`ampscale.masked_add_`),
+        as torch's fused optimizers take ``found_inf``. The default calls it on every step, with
+        the flag on the device (no sync); host backends do not call it on an overflow.
+        """
+        return update_fn(params, grads, opt_state, finite)
+
+    @contextlib.contextmanager
+    def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
+        """Watch ``arrays`` for in-place writes while the block runs (``Scaler.step``'s check of
+        ``update_fn``). The default cannot see writes (CuPy: its arrays have no read-only flag
+        nor version counter)."""
+        yield WriteGuard(exact=False)
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        """``t += alpha * u`` in place for each pair where the 0-d ``finite`` is true; ``t``
+        unchanged, bitwise, where it is false (even when ``u`` holds inf or nan). No host sync:
+        the default selects on the device (``t[...] = where(finite, t + alpha * u, t)``)."""
+        xp = self.namespace()
+        flag = self.as_bool(finite, targets[0] if targets else None)
+        for target, update in zip(targets, updates, strict=True):
+            new = target + (update if alpha == 1 else alpha * update)
+            target[...] = xp.where(flag, _as_dtype(xp, new, target.dtype), target)
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        """``t[...] = v`` for each pair where the 0-d ``finite`` is true (``t`` unchanged,
+        bitwise, where it is false); no host sync."""
+        xp = self.namespace()
+        flag = self.as_bool(finite, targets[0] if targets else None)
+        for target, value in zip(targets, values, strict=True):
+            target[...] = xp.where(flag, _as_dtype(xp, value, target.dtype), target)
+
     def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
         """``where(condition, a, b)`` leaf by leaf over two trees of the same structure."""
         xp = self.namespace()
@@ -518,8 +611,21 @@ class Backend(abc.ABC):
             return finite
         raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={group!r}")
 
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        """Both flags of a step (the gradients' and the scaled loss's) agreed across ``group``.
+
+        Backends with collectives reduce the two in one operation (a 2-element all-reduce), so
+        a step with a loss check costs one collective, not two; the default, and a callable
+        ``group`` (which takes one flag), agree each flag in turn.
+        """
+        return self.agree(finite, group), self.agree(loss_finite, group)
+
     def __repr__(self) -> str:
         return f"<ampscale backend {self.name!r}>"
+
+
+def _as_dtype(xp: Any, value: Any, dtype: Any) -> Any:
+    return value if value.dtype == dtype else xp.astype(value, dtype)
 
 
 def _differs(a: Any, b: Any) -> Any:

@@ -11,7 +11,14 @@ compiled by NVRTC at run time, launched on XLA's stream: :mod:`ampscale._native.
 It is bound as a primitive whose lowering decides, per platform and context, between the
 custom call and the pure-XLA path (both bit for bit the same):
 
-* CPU or CUDA, one device, or one shard under ``shard_map``/``pmap``: the custom call.
+* CPU or CUDA, one device, or one shard under ``shard_map``/``pmap``, where every unscaled
+  leaf is only returned from the computation, reduced across devices, or passed to another
+  such call: the custom call. Where an unscaled leaf feeds further XLA arithmetic in the same
+  computation (an optimizer update, a clip), the pure-XLA path: XLA then fuses the multiply
+  into that arithmetic, as it does in a program without ampscale (jmp's ``unscale`` followed
+  by optax), so the results are those of such a program bit for bit, and the fused update
+  reads each gradient once (the custom call would write the unscaled values and the update
+  read them again). See :func:`_arithmetic_use`.
 * any other platform (ROCm, TPU), ``jit`` over several devices with automatic sharding (the
   custom call is opaque to XLA's partitioner, which would gather every gradient onto each
   device), a partly manual ``shard_map``, and ``jax.export`` (unless :func:`use_custom_call`
@@ -33,8 +40,10 @@ import ctypes
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -109,7 +118,8 @@ _lock = threading.Lock()
 _loaded: CustomCallStatus | None = None
 _library: ctypes.CDLL | None = None  # kept alive: XLA holds a pointer into it
 _primitive: Any = None
-_settings = {"enabled": True, "in_exports": False}
+_settings = {"enabled": True, "in_exports": False, "fuse_into_consumers": True}
+_warned_frames = False
 _last_lowering: list[str] = []
 _warned = False
 _cuda_lock = threading.Lock()
@@ -308,6 +318,285 @@ def _lowering_choice(ctx: Any) -> str | None:
         auto = [name for name, size in axis_context.mesh.shape.items() if size > 1 and name not in manual]
         if auto:
             return f"shard_map with mesh axes {auto} left to automatic sharding"
+    if _settings["fuse_into_consumers"]:
+        use = _arithmetic_use(_enclosing_jaxprs())
+        if use is not None:
+            return use
+    return None
+
+
+# -- where the results go -----------------------------------------------------------------------
+#
+# The custom call is opaque to XLA: a multiply inside it cannot be fused into (or rewritten
+# together with) the arithmetic that consumes its results, which XLA does with the pure-XLA
+# path's multiply, and with jmp's. So where an unscaled leaf feeds more arithmetic in the same
+# computation, the two give results that can differ in the last bits, and the pure-XLA path is
+# both exact (the same HLO as a program without ampscale) and no slower (the multiply joins the
+# consumer's fusion: the gradient is read once). The lowering rule therefore looks at the
+# equations that use the call's results, in the jaxpr being lowered and, through the frames of
+# JAX's lowering (``jaxpr_subcomp``), in the jaxprs around it. The primitive is registered as
+# uncacheable, so that each call site is judged on its own uses.
+
+#: uses that leave a result as it is: collectives (XLA never fuses arithmetic into them), a
+#: barrier, and this call itself (another group, or the next step of a loop)
+_MATERIALIZING = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pbroadcast",
+        "all_to_all",
+        "ragged_all_to_all",
+        "all_gather",
+        "all_gather_invariant",
+        "reduce_scatter",
+        "psend",
+        "optimization_barrier",
+        "ampscale_check_and_unscale",
+    }
+)
+#: uses whose outputs are their inputs (moved, annotated, copied): followed to their own uses
+_TRANSPARENT = frozenset({"device_put", "sharding_constraint", "pvary", "pcast", "copy", "copy_p"})
+#: uses that move or pick values without computing new ones (a multiply fused into them gives
+#: the same bits): followed to the uses of their output. Conversions are not among them: XLA
+#: may fold a widening and a narrowing conversion around a multiply into one of its own.
+_VALUE_MOVES = frozenset(
+    {
+        "select_n",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "pad",
+        "rev",
+    }
+)
+#: ``k -> why k-th output's uses are arithmetic, or None``
+_Follow = Callable[..., "str | None"]
+#: the most equations looked at per call site; a program past it is judged to feed arithmetic
+_MAX_VISITS = 20_000
+
+
+def _enclosing_jaxprs() -> list[tuple[Any, Any]] | None:
+    """``[(jaxpr, eqn), ...]`` from the jaxpr holding this call's equation outwards (each
+    ``eqn`` the equation being lowered in its ``jaxpr``), read from JAX's lowering frames;
+    ``None`` where they cannot be read (a JAX whose lowering works otherwise)."""
+    try:
+        from jax._src.interpreters import mlir as mlir_internal
+
+        code = mlir_internal.jaxpr_subcomp.__code__
+    except (ImportError, AttributeError):
+        return None
+    found = []
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            names = frame.f_locals
+            jaxpr, eqn = names.get("jaxpr"), names.get("eqn")
+            if jaxpr is None or eqn is None or not hasattr(jaxpr, "eqns"):
+                return None
+            found.append((jaxpr, eqn))
+        frame = frame.f_back
+    if not found or found[0][1].primitive is not _primitive:
+        return None
+    return found
+
+
+def _inner(value: Any) -> Any:
+    """The ``Jaxpr`` of a ``Jaxpr`` or ``ClosedJaxpr`` parameter (``None`` for anything else)."""
+    inner = getattr(value, "jaxpr", value)
+    return inner if hasattr(inner, "eqns") and hasattr(inner, "invars") else None
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs held in an equation's parameters (``branches`` of ``cond`` included)."""
+    out = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = _inner(item)
+            if inner is not None:
+                out.append(inner)
+    return out
+
+
+class _Uses:
+    """Follows a call's results through the jaxprs of one lowering (see :func:`_arithmetic_use`)."""
+
+    def __init__(self, frames: list[tuple[Any, Any]]) -> None:
+        self.frames = frames
+        self.seen: set[tuple[int, int]] = set()
+        self.visits = 0
+
+    def in_jaxpr(self, jaxpr: Any, var: Any, on_output: _Follow) -> str | None:
+        """The first arithmetic use of ``var`` in ``jaxpr``; ``on_output(k)`` follows it where it
+        is the jaxpr's ``k``-th output."""
+        key = (id(jaxpr), id(var))
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        for k, out in enumerate(jaxpr.outvars):
+            if out is var:
+                found = on_output(k)
+                if found is not None:
+                    return found
+        for eqn in jaxpr.eqns:
+            positions = [i for i, v in enumerate(eqn.invars) if v is var]
+            if positions:
+                self.visits += 1
+                if self.visits > _MAX_VISITS:
+                    return "too many uses to follow"
+                found = self.through(eqn, positions, jaxpr, on_output)
+                if found is not None:
+                    return found
+        return None
+
+    def through(self, eqn: Any, positions: list[int], jaxpr: Any, on_output: _Follow) -> str | None:
+        """Follow ``eqn``'s inputs at ``positions`` (``eqn`` sits in ``jaxpr``)."""
+        name = str(eqn.primitive.name)
+        if name in _MATERIALIZING:
+            return None
+        if name in _TRANSPARENT:
+            if len(eqn.outvars) != len(eqn.invars):
+                return name
+            for i in positions:
+                found = self.in_jaxpr(jaxpr, eqn.outvars[i], on_output)
+                if found is not None:
+                    return found
+            return None
+        if name in _VALUE_MOVES:
+            for out in eqn.outvars:
+                found = self.in_jaxpr(jaxpr, out, on_output)
+                if found is not None:
+                    return found
+            return None
+        if name == "while":
+            return self.into_while(eqn, positions, jaxpr, on_output)
+        subs = _sub_jaxprs(eqn)
+        if not subs:
+            return name
+        after = self.after(eqn, jaxpr, on_output)
+        for i in positions:
+            for sub in subs:
+                offset = len(eqn.invars) - len(sub.invars)  # cond: the predicate comes first
+                if offset not in (0, 1) or i < offset or len(sub.outvars) != len(eqn.outvars):
+                    return name  # a form not followed: judged to feed arithmetic
+                found = self.in_jaxpr(sub, sub.invars[i - offset], self.loop(eqn, sub, after))
+                if found is not None:
+                    return found
+        return None
+
+    def after(self, eqn: Any, jaxpr: Any, on_output: _Follow) -> _Follow:
+        """Where ``eqn``'s ``k``-th output goes, in ``jaxpr``."""
+        return lambda k: self.in_jaxpr(jaxpr, eqn.outvars[k], on_output)
+
+    def loop(self, eqn: Any, sub: Any, after: _Follow) -> _Follow:
+        """``sub``'s ``k``-th output: the equation's output, and for a scan's carry the body's
+        input of the next iteration too."""
+        if eqn.primitive.name != "scan":
+            return after
+        consts, carry = eqn.params.get("num_consts", 0), eqn.params.get("num_carry", 0)
+
+        def follow(k: int) -> str | None:
+            found = after(k)
+            if found is None and k < carry:
+                found = self.in_jaxpr(sub, sub.invars[consts + k], follow)
+            return found
+
+        return follow
+
+    def into_while(self, eqn: Any, positions: list[int], jaxpr: Any, on_output: _Follow) -> str | None:
+        cond, body = _inner(eqn.params["cond_jaxpr"]), _inner(eqn.params["body_jaxpr"])
+        cond_consts, body_consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        after = self.after(eqn, jaxpr, on_output)
+        follow = self.while_body(cond, body, cond_consts, body_consts, after)
+        for i in positions:
+            if i < cond_consts:
+                found = self.in_jaxpr(cond, cond.invars[i], lambda k: None)
+            elif i < cond_consts + body_consts:
+                found = self.in_jaxpr(body, body.invars[i - cond_consts], follow)
+            else:
+                found = follow(i - cond_consts - body_consts, entering=True)
+            if found is not None:
+                return found
+        return None
+
+    def while_body(self, cond: Any, body: Any, cond_consts: int, body_consts: int, after: _Follow) -> _Follow:
+        """A carried value ``k`` (a body output, or entering the loop): the next iteration's
+        predicate and body, and the loop's output."""
+
+        def follow(k: int, entering: bool = False) -> str | None:
+            return (
+                self.in_jaxpr(cond, cond.invars[cond_consts + k], lambda _: None)
+                or self.in_jaxpr(body, body.invars[body_consts + k], follow)
+                or after(k)
+            )
+
+        return follow
+
+    def outward(self, level: int) -> _Follow:
+        """The ``k``-th output of the jaxpr at ``frames[level]``: its uses around it."""
+
+        def follow(k: int) -> str | None:
+            if level + 1 == len(self.frames):
+                return None  # returned from the computation: materialised
+            inner = self.frames[level][0]
+            jaxpr, eqn = self.frames[level + 1]
+            after = self.after(eqn, jaxpr, self.outward(level + 1))
+            name = str(eqn.primitive.name)
+            if name == "while":
+                cond, body = _inner(eqn.params["cond_jaxpr"]), _inner(eqn.params["body_jaxpr"])
+                if inner is not body:
+                    return "while"
+                follow_carry = self.while_body(
+                    cond, body, eqn.params["cond_nconsts"], eqn.params["body_nconsts"], after
+                )
+                return follow_carry(k)
+            if any(sub is inner for sub in _sub_jaxprs(eqn)):
+                if len(inner.outvars) != len(eqn.outvars):
+                    return name
+                return self.loop(eqn, inner, after)(k)
+            # a jaxpr JAX built to lower ``eqn`` (``mlir.lower_fun``: scan, custom calls of
+            # JAX's own): it computes the equation's outputs, in order
+            if len(inner.outvars) == len(eqn.outvars) and len(inner.invars) == len(eqn.invars):
+                return after(k)
+            return name
+
+        return follow
+
+
+def _arithmetic_use(frames: list[tuple[Any, Any]] | None) -> str | None:
+    """Why this call site lowers to the pure-XLA path, or ``None`` for the custom call.
+
+    ``None`` when every unscaled result is only returned from the computation (or from the
+    loop carrying it), reduced across devices, or passed to another check-and-unscale call:
+    nothing XLA could fuse it with. Otherwise the reason names the first arithmetic use found.
+    The flag (the first result) is not followed: it is a bool, computed the same both ways.
+    """
+    global _warned_frames
+    if frames is None:
+        if not _warned_frames:
+            _warned_frames = True
+            warnings.warn(
+                "ampscale: this JAX's lowering cannot be inspected, so the uses of the unscaled "
+                "gradients are unknown; the pure-XLA path is used (exact, but without the custom call)",
+                PerformanceWarning,
+                stacklevel=2,
+            )
+        return "the uses of its results are unknown (this JAX's lowering cannot be inspected)"
+    uses = _Uses(frames)
+    follow = uses.outward(0)
+    eqn_jaxpr, eqn = frames[0]
+    for out in eqn.outvars[1:]:
+        found = uses.in_jaxpr(eqn_jaxpr, out, follow)
+        if found is not None:
+            return f"its results feed further XLA arithmetic ({found}), into which XLA fuses the multiply"
     return None
 
 
@@ -351,6 +640,23 @@ def _lower_other(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
     return mlir.lower_fun(_xla_path, multiple_results=True)(ctx, inv_scale, *grads)
 
 
+def _lower_per_platform(ctx: Any, inv_scale: Any, *grads: Any) -> Any:
+    """The CPU, CUDA or other platform's rule, through JAX's own per-platform dispatch (a module
+    lowered for several platforms, for ``jax.export``, gets one branch per platform).
+
+    JAX hands an uncacheable rule a context whose ``avals_out`` is a tuple, which its
+    multi-platform dispatch cannot take (it concatenates a list to it); the dispatch is
+    therefore made here, with a list.
+    """
+    from jax._src.interpreters import mlir as mlir_internal
+
+    ctx = ctx.replace(avals_out=list(ctx.avals_out))
+    rules = {"cpu": _lower_cpu, "cuda": _lower_cuda}
+    return mlir_internal.lower_per_platform(
+        ctx, "ampscale_check_and_unscale", rules, _lower_other, frozenset(), inv_scale, *grads
+    )
+
+
 def _abstract_eval(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
     # The flag has the inverse scale's type (0-d, and under shard_map varying over the same
     # axes as the leaves: the caller made them agree); every leaf keeps its own.
@@ -369,7 +675,7 @@ def _make_primitive() -> Any:
     from jax._src.core import auto_insert_reshard  # noqa: F401 - used per call: fail here, not there
     from jax._src.sharding_impls import ShardingContext, SPMDAxisContext  # noqa: F401 - likewise
     from jax.extend.core import Primitive
-    from jax.interpreters import batching, mlir
+    from jax.interpreters import ad, batching, mlir
 
     if not hasattr(jax, "typeof"):
         raise AttributeError("jax.typeof")
@@ -378,25 +684,27 @@ def _make_primitive() -> Any:
     primitive.multiple_results = True
     primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
     primitive.def_abstract_eval(_abstract_eval)
-    mlir.register_lowering(primitive, _lower_other)
-    mlir.register_lowering(primitive, _lower_cpu, platform="cpu")
-    mlir.register_lowering(primitive, _lower_cuda, platform="cuda")
+    # Uncacheable: each call site is lowered on its own, judged by the uses of its results. One
+    # rule for every platform, which dispatches per platform itself (_lower_per_platform).
+    mlir.register_lowering(primitive, _lower_per_platform, cacheable=False)
     batching.primitive_batchers[primitive] = _batch
+    # Differentiable: the derivative of the pure-XLA path (a multiply by the inverse scale). The
+    # rule is the primitive's own rather than a custom_jvp around it, so that the equation sits
+    # in the caller's jaxpr, next to the equations that use its results.
+    ad.primitive_jvps[primitive] = _jvp
     return primitive
 
 
-def _bind(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
+def _fused(inv_scale: Any, *grads: Any) -> tuple[Any, ...]:
     return tuple(_primitive.bind(inv_scale, *grads))
 
 
-def _bind_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-    primal_out, tangent_out = jax.jvp(_xla_path, primals, tangents)
-    return primal_out, tangent_out
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+    from jax.interpreters import ad
 
-
-# Differentiable: the derivative of the pure-XLA path (a multiply by the inverse scale).
-_fused: Any = jax.custom_jvp(_bind)
-_fused.defjvp(_bind_jvp)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    primal_out, tangent_out = jax.jvp(_xla_path, tuple(primals), tuple(tangents))
+    return list(primal_out), list(tangent_out)
 
 
 def _varying_axes(x: Any) -> frozenset[Any]:

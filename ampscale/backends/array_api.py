@@ -9,14 +9,15 @@ gradients' device, updated by the shared transition with ``where``/``maximum``/`
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ampscale.backends._base import Backend
+from ampscale.backends._base import Backend, ReadOnlyGuard, WriteGuard, read_only
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["ArrayApiBackend"]
 
@@ -63,6 +64,17 @@ class ArrayApiBackend(Backend):
         if like is None:
             return None
         return getattr(like, "device", None)
+
+    @contextlib.contextmanager
+    def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
+        # Namespaces whose arrays hold a NumPy array (array_api_strict's ``_array``) can be made
+        # read-only for the call: a write raises before it changes anything. Others cannot say.
+        held = [getattr(a, "_array", None) for a in arrays]
+        if not arrays or not all(isinstance(h, np.ndarray) for h in held):
+            yield WriteGuard(exact=False)
+            return
+        with read_only(arrays, lambda a: a._array):
+            yield ReadOnlyGuard(exact=True)
 
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
         # NumPy-backed namespaces warn when a multiply overflows to inf (a scale below 1): that

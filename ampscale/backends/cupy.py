@@ -480,12 +480,28 @@ class CupyBackend(Backend, CudaStep):
     def agree(self, finite: Any, group: Any) -> Any:
         if group is None or callable(group):
             return super().agree(finite, group) if group is None else self.as_bool(group(finite), finite)
+        found_inf = cupy.logical_not(finite).astype(cupy.float32).reshape(1)
+        self._all_reduce_max(found_inf, group)
+        return found_inf.reshape(()) == 0
+
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        if group is None or callable(group):
+            return super().agree_flags(finite, loss_finite, group)
+        with cupy.cuda.Device(finite.data.device_id):  # the loss may live on another GPU
+            flags = cupy.stack([finite, cupy.asarray(loss_finite)])
+            found_inf = cupy.logical_not(flags).astype(cupy.float32)
+            # one NCCL all-reduce of a 2-element buffer for both flags, not one each
+            self._all_reduce_max(found_inf, group)
+        return found_inf[0] == 0, found_inf[1] == 0
+
+    @staticmethod
+    def _all_reduce_max(found_inf: Any, comm: Any) -> None:
+        """All-reduce (MAX, in place) a contiguous float32 buffer over an NCCL communicator, on
+        the current stream (queued: no sync)."""
         from cupy.cuda import nccl
 
-        found_inf = cupy.logical_not(finite).astype(cupy.float32).reshape(1)
         stream = cupy.cuda.get_current_stream().ptr
-        group.allReduce(found_inf.data.ptr, found_inf.data.ptr, 1, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, stream)
-        return found_inf.reshape(()) == 0
+        comm.allReduce(found_inf.data.ptr, found_inf.data.ptr, found_inf.size, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, stream)
 
 
 BACKEND = CupyBackend()

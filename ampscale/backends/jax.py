@@ -25,6 +25,10 @@ shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
@@ -48,10 +52,19 @@ __all__ = [
     "CustomCallStatus",
     "JaxBackend",
     "PackedState",
+    "axis_names",
     "custom_call_status",
     "register_custom_call",
+    "restore_fields",
     "use_custom_call",
+    "varying_axes",
+    "when_imported",
 ]
+
+_IMMUTABLE = (
+    "JAX arrays cannot be written in place: use a functional update (Scaler.step(update_fn, ...) keeps "
+    "or discards its result on the device, jnp.where(finite, new, old) or jmp's select_tree)"
+)
 
 # ScalerState fields, split by dtype: two buffers instead of twelve. Every separate buffer a
 # jitted call takes or returns costs a few microseconds on XLA's CPU runtime.
@@ -97,6 +110,13 @@ class JaxBackend(Backend):
     """The JAX adapter."""
 
     name: ClassVar[str] = "jax"
+    mutable_arrays: ClassVar[bool] = False  # JAX arrays cannot be written in place
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        raise TypeError(_IMMUTABLE)
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        raise TypeError(_IMMUTABLE)
 
     # -- arrays and trees -------------------------------------------------------------------
     def owns(self, value: Any) -> bool:
@@ -307,8 +327,26 @@ class JaxBackend(Backend):
             return finite
         if callable(group):
             return self.as_bool(group(finite))
-        # every device of the axis ends with the same flag: false if any had an overflow
-        return jax.lax.pmin(finite.astype(jnp.int32), group).astype(jnp.bool_)
+        return self._agree(finite, group)
+
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        if group is None or callable(group):
+            return super().agree_flags(finite, loss_finite, group)
+        # one reduction of both flags: a pmin over a 2-vector
+        both = self._agree(jnp.stack([jnp.asarray(finite), jnp.asarray(loss_finite)]), group)
+        return both[0], both[1]
+
+    def _agree(self, flags: Any, group: Any) -> Any:
+        """``flags`` (bools, any shape) agreed with ``pmin`` over the axes of ``group`` and every
+        mesh axis they still vary over, so that every device ends with the same flags: false if
+        any device had an overflow. Under ``shard_map`` on a data x model mesh, a flag agreed
+        over ``"data"`` alone still differs between model shards; the axes it varies over come
+        from its type (``shard_map``'s varying manual axes)."""
+        axes = set(axis_names(group)) | varying_axes(flags)
+        if not axes:
+            return flags
+        ordered = tuple(sorted(axes, key=str))
+        return jax.lax.pmin(flags.astype(jnp.int32), ordered if len(ordered) > 1 else ordered[0]).astype(jnp.bool_)
 
     # -- the Scaler as a pytree -------------------------------------------------------------
     def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
@@ -338,6 +376,119 @@ class JaxBackend(Backend):
 
         for cls in (scaler_type, pending_type):
             jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+        def serialize(serialization: Any) -> None:
+            """``flax.serialization`` (``to_state_dict``, ``to_bytes``, msgpack checkpoints): the
+            two leaves by their pytree names, restored into a scaler with the target's settings."""
+
+            def to_state(scaler: Any) -> dict[str, Any]:
+                leaves, _ = flatten(scaler)
+                return {k: serialization.to_state_dict(v) for k, v in zip(PackedState._fields, leaves, strict=True)}
+
+            def from_state(target: Any, state: dict[str, Any]) -> Any:
+                template = PackedState(*flatten(target)[0])
+                values = restore_fields(serialization, type(target).__name__, template._asdict(), state)
+                restored = []
+                for name, like in template._asdict().items():
+                    value = np.asarray(values[name])
+                    if value.shape[-1:] != like.shape[-1:] or value.dtype.kind != np.dtype(like.dtype).kind:
+                        raise ValueError(
+                            f"{name} of a scaler's state must be a {np.dtype(like.dtype).name} array of shape "
+                            f"{tuple(like.shape)}; got {value.dtype.name} {value.shape} at path "
+                            f"{serialization.current_path()}"
+                        )
+                    restored.append(jnp.asarray(value, dtype=like.dtype))
+                return scaler_type(target.config, PackedState(*restored), self)
+
+            for cls in (scaler_type, pending_type):
+                serialization.register_serialization_state(cls, to_state, from_state, override=True)
+
+        when_imported("flax.serialization", serialize)
+
+
+def restore_fields(serialization: Any, owner: str, template: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """``flax.serialization``'s restore of named fields: each field of ``template`` from
+    ``state``, with flax's errors for a missing or an unknown field (naming the path)."""
+    state = dict(state)
+    out = {}
+    for name, value in template.items():
+        if name not in state:
+            raise ValueError(
+                f"Missing field {name} in state dict while restoring an instance of {owner}, at path "
+                f"{serialization.current_path()}"
+            )
+        out[name] = serialization.from_state_dict(value, state.pop(name), name=name)
+    if state:
+        raise ValueError(
+            f'Unknown field(s) "{",".join(map(str, state))}" in state dict while restoring an instance of '
+            f"{owner} at path {serialization.current_path()}"
+        )
+    return out
+
+
+def when_imported(name: str, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(module)`` now if the module ``name`` is imported, else right after its
+    first import (a one-shot import hook): ampscale never imports flax itself."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    with _hooks_lock:
+        for finder in sys.meta_path:
+            if isinstance(finder, _AfterImport) and finder.name == name:
+                finder.callbacks.append(callback)
+                return
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+_hooks_lock = threading.Lock()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks once, right after the module ``name`` has been executed."""
+
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+        self.name = name
+        self.callbacks = [callback]
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        with _hooks_lock:
+            try:
+                sys.meta_path.remove(self)  # one shot; the real spec comes from the other finders
+            except ValueError:
+                return None
+        spec = importlib.util.find_spec(fullname)
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+        callbacks = self.callbacks
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            for callback in callbacks:
+                callback(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def axis_names(group: Any) -> tuple[Any, ...]:
+    """The mapped axis names of ``group``: a name, or a tuple or list of names."""
+    if group is None:
+        return ()
+    if isinstance(group, (tuple, list)):
+        return tuple(group)
+    return (group,)
+
+
+def varying_axes(value: Any) -> set[Any]:
+    """The manual mesh axes ``value`` varies over under ``shard_map`` (empty elsewhere, and
+    under ``shard_map(..., check_vma=False)``, where JAX records none)."""
+    aval = jax.typeof(value) if isinstance(value, (jax.Array, jax.core.Tracer)) else None
+    return set(getattr(getattr(aval, "mat", None), "varying", ()) or ())
 
 
 #: jax.numpy for the transition's operations, NumPy for its constants (see JaxBackend.ops).

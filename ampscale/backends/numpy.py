@@ -11,9 +11,11 @@ The state lives in host memory as NumPy scalars; the transition runs on Python s
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -22,7 +24,16 @@ from ampscale._config import ScalerConfig
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._errors import PerformanceWarning
 from ampscale._ops import HostOps
-from ampscale.backends._base import Backend, adapter_ready, internal_overlap_error, may_overlap_itself, overlap_error
+from ampscale.backends._base import (
+    Backend,
+    ReadOnlyGuard,
+    WriteGuard,
+    adapter_ready,
+    internal_overlap_error,
+    may_overlap_itself,
+    overlap_error,
+    read_only,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -254,6 +265,34 @@ class NumpyBackend(Backend):
         if bool(finite):
             return update_fn(params, grads, opt_state)
         return params, opt_state
+
+    def apply_in_place(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        if bool(finite):
+            return update_fn(params, grads, opt_state, finite)
+        return params, opt_state
+
+    @contextlib.contextmanager
+    def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
+        # Read-only for the call: the first in-place write raises, before it changes anything.
+        with read_only(arrays):
+            yield ReadOnlyGuard(exact=True)
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        if bool(finite):  # host memory: nothing to do on an overflow
+            for target, update in zip(targets, updates, strict=True):
+                target += update if alpha == 1 else alpha * update
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        if bool(finite):
+            for target, value in zip(targets, values, strict=True):
+                np.copyto(target, value, casting="same_kind")
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         out = []

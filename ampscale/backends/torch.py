@@ -22,6 +22,7 @@ step writes a new record, so a replay would repeat the captured step); the drop-
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -51,6 +52,7 @@ from ampscale._native.cuda._packed import (
 from ampscale._ops import ArrayOps, HostOps, PlainNamespace
 from ampscale.backends._base import (
     Backend,
+    WriteGuard,
     adapter_ready,
     internal_overlap_error,
     leaf_error,
@@ -60,7 +62,7 @@ from ampscale.backends._base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["BACKEND", "TorchBackend"]
 
@@ -1123,9 +1125,64 @@ class TorchBackend(Backend, CudaStep):
             return params, opt_state
         return super().apply_if(finite, update_fn, params, grads, opt_state)
 
+    def apply_in_place(
+        self,
+        finite: Any,
+        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
+        params: Any,
+        grads: Any,
+        opt_state: Any,
+    ) -> tuple[Any, Any]:
+        if _is_cpu(finite) and not bool(finite):  # host memory: no work on a skipped step
+            return params, opt_state
+        return update_fn(params, grads, opt_state, finite)
+
+    @contextlib.contextmanager
+    def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
+        # torch counts every in-place write into a tensor (or a view of its memory): exact, but
+        # seen after the call, where NumPy's read-only arrays refuse the write itself
+        yield _VersionGuard(arrays)
+
+    def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
+        if _is_cpu(finite):
+            if bool(finite):  # host memory: nothing to do on an overflow
+                for target, update in zip(targets, updates, strict=True):
+                    target.add_(update if alpha == 1 else alpha * update)
+            return
+        flag = self.as_bool(finite)
+        for target, update in zip(targets, updates, strict=True):
+            new = target + (update if alpha == 1 else alpha * update)
+            target.copy_(torch.where(flag.to(target.device, non_blocking=True), new, target))
+
+    def masked_copy_(self, finite: Any, targets: Sequence[Any], values: Sequence[Any]) -> None:
+        if _is_cpu(finite):
+            if bool(finite):
+                for target, value in zip(targets, values, strict=True):
+                    target.copy_(value)
+            return
+        flag = self.as_bool(finite)
+        for target, value in zip(targets, values, strict=True):
+            target.copy_(torch.where(flag.to(target.device, non_blocking=True), value.to(target.dtype), target))
+
     def agree(self, finite: Any, group: Any) -> Any:
         if group is None or callable(group):
             return super().agree(finite, group) if group is None else self.as_bool(group(finite), finite)
+        found_inf = torch.logical_not(finite).to(torch.float32)
+        self._all_reduce_max(found_inf, group)
+        return found_inf == 0
+
+    def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
+        if group is None or callable(group):
+            return super().agree_flags(finite, loss_finite, group)
+        if isinstance(loss_finite, torch.Tensor) and loss_finite.device != finite.device:
+            loss_finite = loss_finite.to(finite.device, non_blocking=True)
+        # one blocking all-reduce for both flags, not one each
+        found_inf = torch.logical_not(torch.stack([finite, loss_finite])).to(torch.float32)
+        self._all_reduce_max(found_inf, group)
+        return found_inf[0] == 0, found_inf[1] == 0
+
+    @staticmethod
+    def _all_reduce_max(found_inf: Any, group: Any) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -1134,9 +1191,7 @@ class TorchBackend(Backend, CudaStep):
                 "initialised (call torch.distributed.init_process_group first)"
             )
         process_group = None if group in (True, "world", dist.group.WORLD) else group
-        found_inf = torch.logical_not(finite).to(torch.float32)
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=process_group)
-        return found_inf == 0
 
     def count_nonfinite(self, leaves: Sequence[Any]) -> list[tuple[int, int, int]]:
         out = []
@@ -1152,6 +1207,22 @@ class TorchBackend(Backend, CudaStep):
                 )
             )
         return out
+
+
+class _VersionGuard(WriteGuard):
+    """Writes into tensors, seen by their version counters (which views of a tensor share)."""
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
+        super().__init__(exact=True)
+        self.arrays = list(arrays)
+        self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in self.arrays]
+
+    def written(self) -> list[int]:
+        return [
+            i
+            for i, (t, version) in enumerate(zip(self.arrays, self.versions, strict=True))
+            if version is not None and t._version != version
+        ]
 
 
 BACKEND = TorchBackend()
