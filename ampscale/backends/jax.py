@@ -337,6 +337,7 @@ class JaxBackend(Backend):
 
         for cls in (scaler_type, pending_type):
             jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        _jax_custom_call.register_export_serialization(scaler_type, pending_type)  # jax.export artifacts
 
 
 #: jax.numpy for the transition's operations, NumPy for its constants (see JaxBackend.ops).
