@@ -449,7 +449,8 @@ def test_jax_export_is_portable_by_default_and_can_keep_the_call() -> None:
 
 
 def test_lazy_build_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
-    """What a user who installed jax after ampscale gets: a compile into the cache, then reuse."""
+    """What a user who installed jax after ampscale gets: a compile into the cache, then reuse
+    (the damaged, planted and shared cases are in tests/test_caches.py)."""
     headers = _ffi_build.jaxlib_headers()
     compiler = _ffi_build.find_compiler()
     if headers is None or compiler is None:
@@ -458,10 +459,12 @@ def test_lazy_build_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
     key = _ffi_build.build_key(headers[1])
     path = _ffi_build.cached_library(key, compiler)
     assert path.startswith(str(tmp_path))
-    _ffi_build.compile_library(path, headers[0], key, compiler)
-    library, why = _jax_custom_call._open(path, key)
+    with _ffi_build.cached_handler(key, headers[0], compiler) as entry:
+        assert entry.path == path
+        library, why = _jax_custom_call._open(entry, key)
     assert library is not None, why
-    stale, why = _jax_custom_call._open(path, key + "-other")
+    with _ffi_build.cached_handler(key, headers[0], compiler) as entry:  # reused, not compiled again
+        stale, why = _jax_custom_call._open(entry, key + "-other")
     assert stale is None
     assert "other sources or for another jaxlib" in why
     broken = tmp_path / "src"
@@ -472,7 +475,7 @@ def test_lazy_build_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="broken"):
         _ffi_build.compile_library(str(tmp_path / "x.so"), headers[0], key, compiler, str(broken))
     assert not (tmp_path / "x.so").exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".jax_ffi-")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_a_bad_setting_is_named(monkeypatch) -> None:

@@ -430,6 +430,13 @@ def test_fallback_for_dtypes_the_fused_kernel_lacks_is_bit_exact(monkeypatch, dt
 needs_two_threads = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the split needs two cores")
 
 
+@pytest.fixture
+def torch_kernel_only(monkeypatch) -> None:
+    """CPU tensors through torch's fused kernel (its thread split included), not ampscale's
+    native kernel: the path taken where that one does not apply (tests/test_torch_native.py)."""
+    monkeypatch.setattr(torch_backend, "_native_enabled", [False])
+
+
 def _many(dtype, seed: int = 0, count: int = 600) -> list:
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(1, 5000, (count,), generator=g).tolist()
@@ -446,7 +453,7 @@ def _one_kernel_call(tensors: list, inv: float) -> tuple[list, float]:
 @needs_two_threads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("bad_at", [None, 0, 1, 599])
-def test_cpu_groups_split_across_threads_give_the_kernels_bits(monkeypatch, dtype, bad_at) -> None:
+def test_cpu_groups_split_across_threads_give_the_kernels_bits(torch_kernel_only, monkeypatch, dtype, bad_at) -> None:
     """Hundreds of small CPU tensors are unscaled by torch's kernel in parallel parts: the
     result is bit for bit one kernel call's, and an overflow in any part is found."""
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
@@ -465,7 +472,7 @@ def test_cpu_groups_split_across_threads_give_the_kernels_bits(monkeypatch, dtyp
 
 
 @needs_two_threads
-def test_split_with_sparse_gradients_takes_the_sparse_path_for_their_part(monkeypatch) -> None:
+def test_split_with_sparse_gradients_takes_the_sparse_path_for_their_part(torch_kernel_only, monkeypatch) -> None:
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
     dense = _many(torch.float32, count=300)
     sparse = torch.sparse_coo_tensor([[1, 3, 3]], [2.0, 4.0, 8.0], (10,), check_invariants=True)  # uncoalesced
@@ -482,7 +489,7 @@ def test_split_with_sparse_gradients_takes_the_sparse_path_for_their_part(monkey
 
 
 @needs_two_threads
-def test_split_never_leaves_work_half_done_on_uncoalesced_float16(monkeypatch) -> None:
+def test_split_never_leaves_work_half_done_on_uncoalesced_float16(torch_kernel_only, monkeypatch) -> None:
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
     dense = _many(torch.float16, count=300)
     values = torch.tensor([1.0, 2.0], dtype=torch.float16)
@@ -517,7 +524,7 @@ class _Marked(torch.Tensor):
 
 
 @needs_two_threads
-def test_no_split_for_tensor_subclasses(monkeypatch) -> None:
+def test_no_split_for_tensor_subclasses(torch_kernel_only, monkeypatch) -> None:
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch_backend.os, "cpu_count", lambda: 2)
     used = []
@@ -552,7 +559,7 @@ def _unscale_in_child(queue) -> None:
 @needs_two_threads
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child touches no JAX
-def test_split_still_works_in_a_forked_child(monkeypatch) -> None:
+def test_split_still_works_in_a_forked_child(torch_kernel_only, monkeypatch) -> None:
     """Threads do not survive fork: a child makes its own pool instead of waiting forever."""
     import multiprocessing
 
@@ -890,16 +897,16 @@ def _count_passes(monkeypatch) -> list[float]:
     passes: list[float] = []
     original = torch_backend.TorchBackend._check_and_unscale_group
 
-    def counting(self, leaves, flag, inv, device, dtype):
+    def counting(self, leaves, flag, inv, device, dtype, *rest):
         passes.append(float(inv))
-        return original(self, leaves, flag, inv, device, dtype)
+        return original(self, leaves, flag, inv, device, dtype, *rest)
 
     monkeypatch.setattr(torch_backend.TorchBackend, "_check_and_unscale_group", counting)
     return passes
 
 
 @pytest.mark.parametrize("state", ["host", "device"])
-def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(monkeypatch, state: str) -> None:
+def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(torch_kernel_only, monkeypatch, state: str) -> None:
     """At scales >= 1 one pass per step (the inputs' check is the outputs'); below 1 a second,
     check-only pass catches a finite float16 gradient that overflows when unscaled. On an
     accelerator (``state="device"``, run on CPU tensors) the scale is not read each step: a
@@ -942,7 +949,7 @@ def test_drop_in_checks_what_it_wrote_only_below_a_scale_of_one(monkeypatch, sta
     assert torch.equal(weight.detach(), torch.zeros(4, dtype=torch.float16))
 
 
-def test_drop_in_fused_optimizer_is_checked_once_without_a_read(monkeypatch) -> None:
+def test_drop_in_fused_optimizer_is_checked_once_without_a_read(torch_kernel_only, monkeypatch) -> None:
     """A fused optimizer unscales the gradients itself (as with torch's scaler): the scaler only
     checks them, one pass, no second one and no host read, even below a scale of 1."""
     monkeypatch.setattr(_torch_scaler, "_DEVICE_PATH_EVERYWHERE", True)

@@ -18,7 +18,11 @@ Standard library only: ``setup.py`` runs it at install time, and the JAX backend
   reused by every later process; a jaxlib upgrade or a new ampscale compiles a new one.
 
 Every library carries the key it was built with (a hash of the sources and the jaxlib version)
-and the loader uses it only if the key matches, so a stale build is never run.
+twice: in a trailer after the ELF image, with the file's size and SHA-256, which the loader
+checks *before* it loads anything (a library runs code as soon as it is loaded), and compiled
+into the library itself. The per-user cache is :mod:`ampscale._native._cache`: a directory that
+another user could write is never used, a truncated or corrupt file is never loaded (it is
+built again), and every write is atomic.
 """
 
 from __future__ import annotations
@@ -30,8 +34,19 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from importlib import metadata, util
+
+if __package__:
+    from ampscale._native import _cache
+else:  # loaded by path from setup.py, outside the package (which may not import): its sibling by path
+    _spec = util.spec_from_file_location(
+        "_ampscale_cache", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cache.py")
+    )
+    assert _spec is not None
+    assert _spec.loader is not None
+    _cache = util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _cache  # dataclasses looks the module up by name
+    _spec.loader.exec_module(_cache)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The files the handlers are compiled from, relative to this directory (the CPU kernels are
@@ -114,25 +129,25 @@ def cache_dir() -> str:
     return os.path.join(base, "ampscale")
 
 
+def cached_name(key: str, compiler: list[str]) -> str:
+    """The file name, in the cache, of the handler built with ``key`` by ``compiler``."""
+    identity = "\n".join([key, _compiler_identity(compiler), *FLAGS, sys.platform])
+    return f"jax_ffi-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.so"
+
+
 def cached_library(key: str, compiler: list[str]) -> str:
     """The cache path of the handler built with ``key`` by ``compiler``."""
-    identity = "\n".join([key, _compiler_identity(compiler), *FLAGS, sys.platform])
-    name = hashlib.sha256(identity.encode()).hexdigest()[:20]
-    return os.path.join(cache_dir(), f"jax_ffi-{name}.so")
+    return os.path.join(cache_dir(), cached_name(key, compiler))
 
 
-def compile_library(output: str, include_dir: str, key: str, compiler: list[str], directory: str = HERE) -> None:
-    """Compile the handlers into ``output`` (atomically: concurrent builds each write a whole file).
+def _compile(output: str, include_dir: str, key: str, compiler: list[str], directory: str) -> None:
+    """Run the compiler, writing the library to ``output``.
 
     Raises:
-        RuntimeError: the compiler failed (its last lines of output are in the message).
+        RuntimeError: the compiler failed or could not run (its last lines of output are in the message).
     """
     if sys.platform == "win32":
         raise RuntimeError("the JAX handlers are built with GCC or Clang; Windows is not supported")
-    out_dir = os.path.dirname(os.path.abspath(output))
-    os.makedirs(out_dir, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".jax_ffi-", suffix=".so", dir=out_dir)
-    os.close(handle)
     command = [
         *compiler,
         *FLAGS,
@@ -143,20 +158,65 @@ def compile_library(output: str, include_dir: str, key: str, compiler: list[str]
         f'-DAMPSCALE_FFI_BUILD_KEY="{key}"',
         *(os.path.join(directory, unit) for unit in UNITS),
         "-o",
-        temporary,
+        output,
     ]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode != 0:
-            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
-            raise RuntimeError(f"{' '.join(command)} failed (exit {result.returncode}):\n{tail}")
-        os.chmod(temporary, 0o755)  # mkstemp makes it private; the library is for every user
-        os.replace(temporary, output)
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"{' '.join(command)} could not run: {exc}") from exc
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(command)} failed (exit {result.returncode}):\n{tail}")
+
+
+def compile_library(output: str, include_dir: str, key: str, compiler: list[str], directory: str = HERE) -> None:
+    """Compile the handlers into ``output`` with their trailer (atomically: concurrent builds each
+    write a whole file, and a failed one leaves no temporary file). For the install-time build;
+    the per-user cache goes through :func:`cached_handler`.
+
+    Raises:
+        RuntimeError: the compiler failed, or the file could not be written.
+    """
+    out_dir = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        _cache.publish(
+            out_dir,
+            os.path.basename(output),
+            key,
+            lambda temporary: _compile(temporary, include_dir, key, compiler, directory),
+        )
+    except OSError as exc:
+        raise RuntimeError(f"writing the JAX handler to {output} failed: {exc}") from exc
+
+
+def open_prebuilt(key: str, path: str | None = None) -> _cache.Entry:
+    """The library built at install time, verified for ``key`` before anything loads it.
+
+    Raises:
+        FileNotFoundError: there is none.
+        ampscale._native._cache.InvalidEntry: it is truncated, corrupt or for another key (or
+            was built by an ampscale without trailers).
+    """
+    return _cache.verify_file(PREBUILT if path is None else path, key, check_owner=False)
+
+
+def cached_handler(key: str, include_dir: str, compiler: list[str], directory: str = HERE) -> _cache.Entry:
+    """The handler for ``key`` from the per-user cache, verified; compiled there first if needed.
+
+    Raises:
+        ampscale._native._cache.CacheUnavailable: the cache directory is not the user's own, or
+            cannot be created.
+        ampscale._native._cache.CacheError: the library could not be written (a full disk) or
+            does not verify.
+        RuntimeError: the compiler failed.
+    """
+    return _cache.obtain(
+        cache_dir(),
+        cached_name(key, compiler),
+        key,
+        lambda temporary: _compile(temporary, include_dir, key, compiler, directory),
+    )
 
 
 def build_at_install(output_dir: str, source_dir: str = HERE) -> str:

@@ -28,9 +28,11 @@ custom call and the pure-XLA path (both bit for bit the same):
 * under ``vmap`` (a flag per batch element) the batching rule runs the pure-XLA path, and
   differentiating through it uses the pure-XLA path's derivative.
 
-The handler library is built at install time or compiled on first use (``_ffi_build``). If it
-cannot be loaded, or this JAX lacks an internal the primitive needs, the backend uses the
-pure-XLA path and :func:`status` says why.
+The handler library is built at install time or compiled on first use into the per-user cache
+(``_ffi_build``, ``ampscale._native._cache``); either file is verified (its build key, size and
+hash) before it is loaded. If none can be loaded (no compiler, a cache directory another user
+could write, a full disk, ...), or this JAX lacks an internal the primitive needs, the backend
+uses the pure-XLA path, warns once, and :func:`status` says why.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import json
 import os
 import sys
 import threading
@@ -51,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ampscale._errors import PerformanceWarning
+from ampscale._native import _cache
 from ampscale._native import ffi_build as _ffi_build
 from ampscale._native.cuda import _jax as _cuda_kernels
 from ampscale.backends._jax_xla import check_and_unscale_xla
@@ -58,7 +62,16 @@ from ampscale.backends._jax_xla import check_and_unscale_xla
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-__all__ = ["GROUP", "TARGET", "CustomCallStatus", "check_and_unscale", "register", "status", "use_custom_call"]
+__all__ = [
+    "GROUP",
+    "TARGET",
+    "CustomCallStatus",
+    "check_and_unscale",
+    "register",
+    "register_export_serialization",
+    "status",
+    "use_custom_call",
+]
 
 #: The FFI target's name; a change of operands or results gets a new one.
 TARGET = "ampscale_check_and_unscale_v1"
@@ -165,17 +178,55 @@ def use_custom_call(enabled: bool = True, *, in_exports: bool = False) -> Iterat
         _settings.update(saved)
 
 
-def _open(path: str, key: str) -> tuple[ctypes.CDLL | None, str]:
-    """Load a handler library if it was built from ``key``; else say why not."""
+def _open(entry: _cache.Entry, key: str) -> tuple[ctypes.CDLL | None, str]:
+    """Load a handler library whose file was verified for ``key`` (trailer, size, hash: before
+    loading, since loading runs its code); then check the key compiled into it as well."""
     try:
-        library = ctypes.CDLL(path)
+        library = ctypes.CDLL(entry.load_path())
     except OSError as exc:
-        return None, f"{path} does not load: {exc}"
-    library.ampscale_ffi_build_key.restype = ctypes.c_char_p
-    built = library.ampscale_ffi_build_key().decode()
+        return None, f"{entry.path} does not load: {exc}"
+    try:
+        library.ampscale_ffi_build_key.restype = ctypes.c_char_p
+        built = library.ampscale_ffi_build_key().decode()
+    except AttributeError:
+        return None, f"{entry.path} is not ampscale's handler library (no build key)"
     if built != key:
-        return None, f"{path} was built from other sources or for another jaxlib ({built}, need {key})"
+        return None, f"{entry.path} was built from other sources or for another jaxlib ({built}, need {key})"
     return library, ""
+
+
+def _find_library(key: str) -> tuple[ctypes.CDLL | None, str, str]:
+    """``(library, path, where it came from)``, or ``(None, why not, "")``: the library built at
+    install if it verifies, else the per-user cache's (compiled into it on first use)."""
+    why_not_prebuilt = ""
+    try:
+        with _ffi_build.open_prebuilt(key) as entry:
+            library, why_not_prebuilt = _open(entry, key)
+            if library is not None:
+                return library, entry.path, "built at install"
+    except FileNotFoundError:
+        pass
+    except _cache.InvalidEntry as exc:
+        why_not_prebuilt = f"the library built at install is not used: {exc}"
+
+    def unavailable(reason: str) -> tuple[None, str, str]:
+        return None, f"{reason}; {why_not_prebuilt}" if why_not_prebuilt else reason, ""
+
+    compiler = _ffi_build.find_compiler()
+    if compiler is None:
+        return unavailable("no C++ compiler found to build the handler (set CXX)")
+    try:
+        with _ffi_build.cached_handler(key, jax.ffi.include_dir(), compiler) as entry:
+            library, why = _open(entry, key)
+            if library is None:
+                return unavailable(why)
+            return library, entry.path, "compiled on first use, cached"
+    except _cache.CacheError as exc:  # CacheUnavailable included
+        return unavailable(
+            f"the handler cache cannot be used: {exc} (set AMPSCALE_CACHE_DIR to a directory only you can write)"
+        )
+    except RuntimeError as exc:
+        return unavailable(f"compiling the handler failed: {exc}")
 
 
 def _load() -> CustomCallStatus:
@@ -188,24 +239,9 @@ def _load() -> CustomCallStatus:
         key = _ffi_build.build_key(version)
     except OSError as exc:
         return CustomCallStatus(False, True, f"the handler's sources are not installed ({exc})")
-    library, why_not_prebuilt = (None, "")
-    if os.path.exists(_ffi_build.PREBUILT):
-        library, why_not_prebuilt = _open(_ffi_build.PREBUILT, key)
-    path, origin = _ffi_build.PREBUILT, "built at install"
+    library, path, origin = _find_library(key)
     if library is None:
-        compiler = _ffi_build.find_compiler()
-        if compiler is None:
-            reason = "no C++ compiler found to build the handler (set CXX)"
-            return CustomCallStatus(False, True, f"{reason}; {why_not_prebuilt}" if why_not_prebuilt else reason)
-        path, origin = _ffi_build.cached_library(key, compiler), "compiled on first use, cached"
-        if not os.path.exists(path):
-            try:
-                _ffi_build.compile_library(path, jax.ffi.include_dir(), key, compiler)
-            except RuntimeError as exc:
-                return CustomCallStatus(False, True, f"compiling the handler failed: {exc}")
-        library, why = _open(path, key)
-        if library is None:
-            return CustomCallStatus(False, True, why)
+        return CustomCallStatus(False, True, path)
     try:
         _primitive = _make_primitive()
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.ampscale_check_and_unscale_v1), platform="cpu")
@@ -764,3 +800,52 @@ def check_and_unscale(leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any],
     for flag in flags[1:]:
         finite = jnp.logical_and(finite, flag)
     return outs, finite
+
+
+# -- jax.export: the scaler in an artifact's calling convention -----------------------------
+
+#: The names under which the scaler's pytree nodes are serialized in ``jax.export`` artifacts.
+SERIALIZED_NAMES = ("ampscale.Scaler", "ampscale.Scaler.pending")
+
+
+def _serialize_config(aux: Any) -> bytes:
+    """A scaler's static settings (its pytree auxiliary data) as JSON bytes."""
+    config = aux[0]
+    state = config.__getstate__()
+    if callable(state.get("on_floor")):
+        raise ValueError(
+            "jax.export cannot serialize a scaler whose on_floor is a callback (a Python function "
+            "cannot be stored in an artifact); export with on_floor='ignore', 'warn' or 'raise'"
+        )
+    axis = state.get("axis_name")
+    if not (axis is None or isinstance(axis, (str, int))):
+        raise ValueError(
+            f"jax.export cannot serialize a scaler whose axis_name is {axis!r} (a string, an int or None can be)"
+        )
+    return json.dumps({"format": 1, "settings": state}, sort_keys=True, allow_nan=True).encode()
+
+
+def _deserialize_config(data: bytes) -> Any:
+    from ampscale._config import ScalerConfig
+
+    document = json.loads(data)
+    if document.get("format") != 1:
+        raise ValueError(f"this ampscale cannot read a scaler serialized in format {document.get('format')!r}")
+    return (ScalerConfig(**document["settings"]), "jax")
+
+
+def register_export_serialization(scaler_type: type[Any], pending_type: type[Any]) -> None:
+    """Let ``jax.export`` serialize artifacts whose arguments or results hold a scaler.
+
+    The scaler's settings (static, not arrays) are stored as JSON in the artifact's calling
+    convention; its state is the artifact's array arguments. A process that deserializes such
+    an artifact imports ``ampscale.backends.jax`` first (which registers the names). The
+    computation itself holds no custom call unless it was exported inside
+    ``use_custom_call(in_exports=True)``.
+    """
+    from jax import export
+
+    for cls, name in zip((scaler_type, pending_type), SERIALIZED_NAMES, strict=True):
+        export.register_pytree_node_serialization(
+            cls, serialized_name=name, serialize_auxdata=_serialize_config, deserialize_auxdata=_deserialize_config
+        )

@@ -376,6 +376,7 @@ class JaxBackend(Backend):
 
         for cls in (scaler_type, pending_type):
             jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        _jax_custom_call.register_export_serialization(scaler_type, pending_type)  # jax.export artifacts
 
         def serialize(serialization: Any) -> None:
             """``flax.serialization`` (``to_state_dict``, ``to_bytes``, msgpack checkpoints): the

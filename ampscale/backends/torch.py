@@ -1,11 +1,17 @@
-"""PyTorch backend: torch's own fused multi-tensor kernel, state on the gradients' device.
+"""PyTorch backend: state on the gradients' device, the check + unscale fused, no host sync.
 
-The check + unscale is ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel
-``torch.amp.GradScaler`` uses: gradients are grouped by device and dtype, checked in float32
-opmath, multiplied by the inverse scale, all in one launch per group, with no host sync. Where
-the kernel lacks a dtype (bfloat16 on CUDA), the gradients are widened to float32, run through
-the same kernel and rounded back: the same bits; which path a (device, dtype) pair uses is
-decided once, by trying the kernel.
+On the CPU the check + unscale is ampscale's own native kernel, the NumPy backend's
+(``ampscale/_native/cpu``), run on the tensors' memory (read through torch's DLPack C exchange
+API: no copy, no Python call per tensor) and split over the cores by element count; its values
+are torch's kernel's bit for bit (see :func:`_native_cpu`). Where torch must see the op (a
+torch function or dispatch mode, functorch, compilation, tensor subclasses) or the memory is
+not plain dense memory (sparse, non-contiguous, meta), and on accelerators, it is
+``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel ``torch.amp.GradScaler`` uses:
+gradients are grouped by device and dtype, checked in float32 opmath, multiplied by the inverse
+scale, all in one launch per group. Where that kernel lacks a dtype (bfloat16 on CUDA), the
+gradients are widened to float32, run through the same kernel and rounded back: the same bits;
+which path a (device, dtype) pair uses is decided once, by trying the kernel.
+:func:`native_cpu_kernel` turns the native CPU path off and on (``AMPSCALE_TORCH_NATIVE=0``).
 
 State: on the CPU it is kept as Python scalars (the transition runs on the host, no tensor
 kernels), exposed as 0-d CPU tensors; on an accelerator it is 0-d tensors on that device,
@@ -64,7 +70,13 @@ from ampscale.backends._base import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["BACKEND", "TorchBackend"]
+__all__ = ["BACKEND", "TorchBackend", "native_cpu_kernel"]
+
+_native: Any
+try:  # ampscale's own host kernels, the NumPy backend's (absent from builds without a compiler)
+    from ampscale._native.cpu import _numpy as _native
+except ImportError:  # pragma: no cover - exercised only on builds without a C compiler
+    _native = None
 
 # (device, dtype) -> whether torch's fused kernel supports it (learned on first use)
 _fused_support: dict[tuple[torch.device, torch.dtype], bool] = {}
@@ -79,6 +91,66 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _UNSCALABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _scratch = threading.local()
 _inverses: dict[float, float] = {}
+#: the native kernel's code per dtype (the NumPy extension's ``KIND_*``)
+_NATIVE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_is_compiling = torch.compiler.is_compiling
+_native_enabled = [os.environ.get("AMPSCALE_TORCH_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")]
+#: torch's DLPack C exchange API (torch >= 2.10): the native kernel reads every tensor's memory
+#: through it in C; without it, through data_ptr() / numel() / is_contiguous() calls
+_EXCHANGE_API = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+_PLAIN_TUPLE = (torch.Tensor, torch.nn.Parameter)
+_DTYPE_OF_KIND = {kind: dtype for dtype, kind in _NATIVE_KINDS.items()}
+
+
+def native_cpu_kernel(enabled: bool | None = None) -> bool:
+    """Whether CPU gradients go through ampscale's native kernel (the NumPy backend's), and set it.
+
+    ``enabled``: ``False`` makes CPU tensors use torch's fused kernel (the same bits), ``True``
+    turns ampscale's back on; ``None`` only asks. The environment variable
+    ``AMPSCALE_TORCH_NATIVE=0`` turns it off from the start. ``False`` is also returned where
+    the native kernel is not built.
+    """
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"native_cpu_kernel: enabled must be a bool or None; got {enabled!r}")
+        _native_enabled[0] = enabled
+    return _native is not None and _native_enabled[0]
+
+
+def _native_context() -> bool:
+    """Whether torch would run its own CPU kernel with nothing watching: no torch function or
+    dispatch mode, no functorch transform (grad, vmap, functionalize), not compiling. (Inference
+    mode and autocast change nothing for an in-place kernel on plain tensors; wrapped, batched,
+    functional and fake tensors are refused one by one, by torch's DLPack export.)"""
+    return _function_modes() == 0 and _dispatch_modes() == 0 and _functorch_layer() is None and not _is_compiling()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+_FOUND_NONE = torch.zeros(())  # found_inf 0 and 1: logical_not() makes a new flag cheaply
+_FOUND_ONE = torch.ones(())
+_cores = [_usable_cores()]  # read once (a call costs more than a small step); again after fork
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _cores.__setitem__(0, _usable_cores()))
+
+
+def _native_ready() -> bool:
+    """Whether the native kernel may run CPU tensors now (built, on, torch's exchange API there,
+    nothing that torch must see active)."""
+    return _native is not None and _native_enabled[0] and _EXCHANGE_API is not None and _native_context()
+
+
+def _native_threads() -> int:
+    """Threads for the native kernel: torch's own setting, at most the usable cores."""
+    return max(1, min(int(torch.get_num_threads()), _cores[0]))
 
 
 class _no_grad:
@@ -377,6 +449,103 @@ def _resolve_overlaps(leaves: list[torch.Tensor], order: list[int], starts: Any,
     return [t for i, t in enumerate(leaves) if i not in repeats]
 
 
+def _host_inverse(inv_scale: Any) -> Any:
+    """The inverse scale for the native kernel: a float (``None``, check only: 1.0), a 0-d
+    float32 CPU tensor as it is (the kernel reads it in place), or ``None`` where it is neither."""
+    if type(inv_scale) is float:
+        return inv_scale
+    if inv_scale is None:
+        return 1.0
+    if isinstance(inv_scale, torch.Tensor):
+        if inv_scale.dtype == torch.float32 and inv_scale.device.type == "cpu" and inv_scale.numel() == 1:
+            return inv_scale
+        return None
+    if isinstance(inv_scale, (float, int, np.floating, np.integer)) and not isinstance(inv_scale, bool):
+        return float(inv_scale)
+    return None
+
+
+def _native_cpu(
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    inv: torch.Tensor | None,
+    dtype: torch.dtype,
+    plain: bool | None,
+    inv_value: Any,
+    writes: bool = True,
+) -> bool | None:
+    """Check and unscale CPU ``grads`` (one dtype) with ampscale's native kernel: whether every
+    value written is finite, or ``None`` (nothing touched) where torch's own kernel must run.
+    ``found_inf``, when given, is set to 1.0 on a non-finite step (as torch's kernel does).
+
+    The kernel is the NumPy backend's (``ampscale/_native/cpu``), run on the tensors' memory
+    through their data pointers: no copy, no buffer object per tensor, the work split over the
+    cores by element count (torch's kernel runs a tensor below 32768 elements on one thread).
+    The values written are torch's kernel's bit for bit: each element widened to float32
+    (float64 stays float64), multiplied by the float32 inverse scale unless it is exactly 1,
+    rounded to nearest even. The flag tests what is written (a finite value that overflows
+    when unscaled, with a scale below 1, counts), which is the backend's flag for every scale.
+    A NaN stays a NaN; its payload bits may differ from torch's, whose own differ between its
+    vector widths and between the vector body and the tail of a tensor.
+
+    Memory is checked in the same call, before any element changes: a buffer given twice is
+    unscaled once, buffers that share memory in part are refused (:class:`AliasedGradientsError`).
+
+    Torch's kernel runs instead for anything torch must see or that is not plain dense memory:
+    a torch function or dispatch mode, functorch transforms or functionalization, compilation,
+    tensor subclasses, tensors without a data pointer (sparse, mkldnn, batched, meta, fake), and
+    non-contiguous ones. ``inv``: the inverse scale tensor (``None``: ``inv_value`` is it, a
+    float or a 0-d float32 CPU tensor). ``writes``: whether the call unscales (a check-only call
+    reads shared memory as it is).
+    """
+    kind = _NATIVE_KINDS.get(dtype)
+    if kind is None or not _native_enabled[0] or _native is None or not _native_context():
+        return None
+    inverse = _host_inverse(inv) if inv_value is None else inv_value
+    if inverse is None:
+        return None  # an inverse scale torch's kernel refuses, with its own message
+    if _EXCHANGE_API is not None:
+        try:
+            finite = _native.check_and_unscale_tensors(
+                grads, _PLAIN_TUPLE, _EXCHANGE_API, inverse, writes, _native_threads()
+            )
+        except _native.OverlapError as exc:  # found before any element changed
+            raise overlap_error(*exc.args) from None
+        if finite is None:
+            return None
+    else:
+        finite = _native_by_calls(grads, kind, float(inverse) if writes else 1.0, plain, writes)
+        if finite is None:
+            return None
+    if not finite and found_inf is not None:
+        found_inf.fill_(1.0)
+    return bool(finite)
+
+
+def _native_by_calls(
+    grads: list[torch.Tensor], kind: int, inv_value: float, plain: bool | None, writes: bool
+) -> bool | None:
+    """:func:`_native_cpu`'s kernel call where torch has no DLPack exchange API: the memory of
+    every tensor read through its methods (a few calls per tensor)."""
+    if plain is not True and not set(map(type, grads)) <= _PLAIN_TYPES:
+        return None
+    if set(map(_DTYPE, grads)) != {_DTYPE_OF_KIND[kind]} or set(map(_GET_DEVICE, grads)) != {-1}:
+        return None
+    try:
+        pointers = list(map(_DATA_PTR, grads))
+    except RuntimeError:  # no storage: sparse, mkldnn, batched (vmap) tensors
+        return None
+    if not all(map(_IS_CONTIGUOUS, grads)):
+        return None
+    counts = list(map(_NUMEL, grads))
+    if 0 in pointers and any(count for pointer, count in zip(pointers, counts, strict=True) if not pointer):
+        return None  # elements without memory: meta, fake or functional tensors
+    try:
+        return bool(_native.check_and_unscale_at(pointers, counts, kind, inv_value, writes, _native_threads()))
+    except _native.OverlapError as exc:  # found before any element changed
+        raise overlap_error(*exc.args) from None
+
+
 # ------------------------------------------------------------------------------ CUDA helpers
 
 _RECORD_FLOATS = STATE_BYTES // 4  # the packed record as float32 elements
@@ -592,16 +761,29 @@ class TorchBackend(Backend, CudaStep):
         else:
             dtypes = set(map(_DTYPE, leaves))
             _refuse_dtypes(leaves, dtypes, None, "gradient")
+        if len(dtypes) == 1 and leaves and _native_ready():
+            # CPU tensors of one dtype: ampscale's kernel (it finds shared memory itself)
+            grads = leaves if type(leaves) is list else list(leaves)
+            (dtype,) = dtypes
+            finite = _native_cpu(grads, None, None, dtype, None, _host_inverse(inv_scale), inv_scale is not None)
+            if finite is not None:
+                cpu = grads[0].device
+                flag = self._found_inf(cpu, scratch, found_inf)
+                if not finite:
+                    flag.fill_(1.0)
+                return {cpu: flag}
         leaves = _distinct_memory(list(leaves), inv_scale is not None)
         needs_output_check = _may_overflow(inv_scale, scale_floor)
         if len(dtypes) == 1 and len(set(map(_GET_DEVICE, leaves))) == 1:
             # The common case, one launch: every gradient on one device with one dtype.
             device, dtype = leaves[0].device, leaves[0].dtype
             flag = self._found_inf(device, scratch, found_inf)
+            inv_value = _host_inverse(inv_scale)
             try:
                 with _no_grad():
-                    self._check_and_unscale_group(leaves, flag, self._inverse_on(inv_scale, device), device, dtype)
-                    if needs_output_check:
+                    inv = self._inverse_on(inv_scale, device)
+                    checked = self._check_and_unscale_group(leaves, flag, inv, device, dtype, None, inv_value)
+                    if needs_output_check and not checked:
                         self._check_and_unscale_group(leaves, flag, self.constant(1.0, device), device, dtype)
                 return {device: flag}
             except NotImplementedError:
@@ -619,13 +801,15 @@ class TorchBackend(Backend, CudaStep):
                 leaf = leaf._values()
             groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
         found: dict[torch.device, torch.Tensor] = {}
+        inv_value = _host_inverse(inv_scale)
         with _no_grad():
             for (device, dtype), grads in groups.items():
                 flag = found.get(device)
                 if flag is None:
                     flag = found[device] = self._found_inf(device, scratch, found_inf)
-                self._check_and_unscale_group(grads, flag, self._inverse_on(inv_scale, device), device, dtype)
-                if needs_output_check:
+                inv = self._inverse_on(inv_scale, device)
+                checked = self._check_and_unscale_group(grads, flag, inv, device, dtype, None, inv_value)
+                if needs_output_check and not checked:
                     self._check_and_unscale_group(grads, flag, self.constant(1.0, device), device, dtype)
         return found
 
@@ -650,6 +834,8 @@ class TorchBackend(Backend, CudaStep):
             _refuse_dtypes(leaves, dtypes, None, "gradient")
         if len(dtypes) != 1:
             return None
+        if validated is not None and validated[3]:
+            return leaves[0], validated[2]  # validate() saw plain CPU tensors (the native check)
         # get_device() is fast; it is -1 for the CPU and the meta device alike, which torch's
         # kernel takes in one call (the caller keys its flag by the first leaf's device)
         devices = set(map(_GET_DEVICE, leaves))
@@ -686,7 +872,14 @@ class TorchBackend(Backend, CudaStep):
         device: torch.device,
         dtype: torch.dtype,
         plain: bool | None = None,
-    ) -> None:
+        inv_value: Any = None,
+    ) -> bool:
+        """torch's fused kernel on one (device, dtype) group, or ampscale's native kernel on CPU
+        tensors (:func:`_native_cpu`). Returns whether the values written were checked too (the
+        native kernel checks what it writes; torch's checks its inputs). ``inv_value``: the
+        float ``inv`` holds, when the caller knows it (saves reading the tensor)."""
+        if device.type == "cpu" and _native_cpu(grads, found_inf, inv, dtype, plain, inv_value) is not None:
+            return True
         key = (device, dtype)
         supported = _fused_support.get(key)
         if supported is not False:
@@ -696,7 +889,7 @@ class TorchBackend(Backend, CudaStep):
                 else:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
                 _fused_support[key] = True
-                return
+                return False
             except RuntimeError as exc:
                 if supported or "not implemented" not in str(exc).lower():
                     raise
@@ -713,7 +906,7 @@ class TorchBackend(Backend, CudaStep):
                 wide = [g.float() for g in batch]
                 self._check_and_unscale_group(wide, found_inf, inv, device, torch.float32)
                 torch._foreach_copy_(batch, wide)
-            return
+            return False
         # Exact generic fallback: check the inputs, then multiply in float32 opmath (float64
         # for float64) one tensor at a time (a foreach multiply would round the factor to the
         # tensors' dtype first).
@@ -724,6 +917,7 @@ class TorchBackend(Backend, CudaStep):
                 g.copy_(g.float().mul_(inv))
             else:
                 g.mul_(inv)
+        return False
 
     def _fused_cpu(
         self,
@@ -790,6 +984,14 @@ class TorchBackend(Backend, CudaStep):
             # One device, one dtype: a single kernel launch on a per-thread scratch flag.
             first, plain = fast
             device = first.device
+            if device.type == "cpu":
+                grads = leaves if type(leaves) is list else list(leaves)
+                # ampscale's kernel, which also finds shared memory (before any change)
+                finite = _native_cpu(
+                    grads, None, None, first.dtype, plain, _host_inverse(inv_scale), inv_scale is not None
+                )
+                if finite is not None:
+                    return grads, (_FOUND_NONE if finite else _FOUND_ONE).logical_not()  # a new tensor
             # keyed by the device itself: get_device() is -1 for the CPU and the meta device alike
             flags: dict[torch.device, torch.Tensor] = _scratch.__dict__.setdefault("flags", {})
             flag = flags.get(device)
@@ -803,8 +1005,10 @@ class TorchBackend(Backend, CudaStep):
             previous = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
-                self._check_and_unscale_group(distinct, flag, inv, device, first.dtype, plain)
-                if _may_overflow(inv_scale, scale_floor):
+                checked = self._check_and_unscale_group(
+                    distinct, flag, inv, device, first.dtype, plain, _host_inverse(inv_scale)
+                )
+                if not checked and _may_overflow(inv_scale, scale_floor):
                     # a scale below 1: the kernel checked the inputs, and a finite input may
                     # have overflowed when unscaled, so the values written are checked too
                     one = self.constant(1.0, device)
@@ -831,6 +1035,15 @@ class TorchBackend(Backend, CudaStep):
             if type(leaf) in _PLAIN_TYPES and leaf.dtype in _UNSCALABLE:
                 _scratch.validated = None
                 return {leaf.dtype}
+        _scratch.validated = None
+        if type(leaves) is list and len(leaves) > 1 and _native_ready():
+            # one pass in C (torch's DLPack exchange API): plain CPU tensors of one float dtype
+            # are valid as they are; anything else is looked at below
+            kind = _native.tensor_kind(leaves, _PLAIN_TUPLE, _EXCHANGE_API)
+            if kind is not None:
+                dtypes = {_DTYPE_OF_KIND[kind]}
+                _scratch.validated = (leaves, dtypes, True, True)
+                return dtypes
         if not plain:
             types = set(map(type, leaves))
             for kind in types:
@@ -838,10 +1051,9 @@ class TorchBackend(Backend, CudaStep):
                     self._reject(leaves, spec, next(i for i, leaf in enumerate(leaves) if type(leaf) is kind), what)
             plain = types <= _PLAIN_TYPES
         dtypes = set(map(_DTYPE, leaves))
-        _scratch.validated = None
         _refuse_dtypes(leaves, dtypes, spec, what, self)
         # check_and_unscale, called next with this list, reuses what was learnt (one pass each)
-        _scratch.validated = (leaves, dtypes, plain)
+        _scratch.validated = (leaves, dtypes, plain, False)
         return dtypes
 
     def all_finite(self, leaves: Sequence[Any]) -> Any:

@@ -14,6 +14,9 @@
  *
  * The Python side (`ampscale/backends/numpy.py`) groups arrays by dtype and passes only
  * contiguous buffers; it calls `check_and_unscale(arrays, kind, inv_scale, multiply, threads)`.
+ * The torch backend (`ampscale/backends/torch.py`) runs the same kernels on CPU tensors through
+ * `check_and_unscale_tensors` (memory read through the DLPack C exchange API) or, without that
+ * API, `check_and_unscale_at` (addresses and element counts).
  * The GIL is released while the kernel runs; trees larger than a threshold are split by element
  * count across `threads` POSIX threads.
  *
@@ -234,6 +237,262 @@ static PyObject *check_and_unscale(PyObject *self, PyObject *args) {
     return PyBool_FromLong(!bad);
 }
 
+/* ---------------------------------------------------------------- memory given by address */
+
+/* Check aliasing (when writing), then run the kernel over `spans` with the GIL released.
+ * Returns 1 (all finite), 0 (an inf or nan) or -1 with an exception set (OverlapError). */
+static int run_spans(Span *spans, Py_ssize_t count, int kind, float inv, int multiply, int threads) {
+    const Py_ssize_t itemsize = kind_size[kind];
+    if (multiply && count > 1) {
+        char *duplicate = PyMem_Calloc((size_t)count, 1);
+        if (duplicate == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int status = find_aliases(spans, count, itemsize, duplicate);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (duplicate[i]) spans[i].n = 0;
+        }
+        PyMem_Free(duplicate);
+        if (status != 0) return -1;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        spans[i].offset = total;
+        total += spans[i].n;
+    }
+    int do_multiply = multiply && inv != 1.0f; /* a multiply by exactly one changes no value */
+    long long tiny = 0;
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = run_all(spans, count, total, itemsize, kernels[kind], NULL, inv, do_multiply, threads, &tiny);
+    Py_END_ALLOW_THREADS
+    return !bad;
+}
+
+static PyObject *finish(Span *spans, int status) {
+    PyMem_Free(spans);
+    if (status < 0) return NULL;
+    return PyBool_FromLong(status);
+}
+
+PyDoc_STRVAR(check_and_unscale_at_doc,
+             "check_and_unscale_at(addresses, counts, kind, inv_scale, multiply, threads)\n\n"
+             "check_and_unscale() over memory given by address: `addresses[i]` is the first of\n"
+             "`counts[i]` contiguous elements of `kind` (lists of ints), for arrays that export\n"
+             "no buffer. The caller guarantees that each range is memory of its own, writable\n"
+             "when `multiply`, alive and not resized during the call. Same result, aliasing\n"
+             "rule and OverlapError as check_and_unscale().");
+
+static PyObject *check_and_unscale_at(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *addresses, *counts;
+    int kind, multiply, threads;
+    float inv;
+    if (!PyArg_ParseTuple(args, "OOifpi", &addresses, &counts, &kind, &inv, &multiply, &threads)) {
+        return NULL;
+    }
+    if (kind < 0 || kind >= KIND_COUNT) {
+        PyErr_Format(PyExc_ValueError, "kind must be in [0, %d); got %d", KIND_COUNT, kind);
+        return NULL;
+    }
+    if (!PyList_CheckExact(addresses) || !PyList_CheckExact(counts) ||
+        PyList_GET_SIZE(addresses) != PyList_GET_SIZE(counts)) {
+        PyErr_SetString(PyExc_TypeError, "addresses and counts must be lists of ints of one length");
+        return NULL;
+    }
+    const Py_ssize_t count = PyList_GET_SIZE(addresses);
+    Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Span));
+    if (spans == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        void *address = PyLong_AsVoidPtr(PyList_GET_ITEM(addresses, i));
+        Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(counts, i));
+        if (PyErr_Occurred()) return finish(spans, -1);
+        if (n < 0 || (n > 0 && address == NULL)) {
+            PyErr_Format(PyExc_ValueError, "range %zd: %zd elements at address %p", i, n, address);
+            return finish(spans, -1);
+        }
+        spans[i].data = (char *)address;
+        spans[i].n = n;
+    }
+    return finish(spans, run_spans(spans, count, kind, inv, multiply, threads));
+}
+
+/* ---------------------------------------------------------------- tensors, through DLPack
+ *
+ * A framework's tensors are read through the DLPack C exchange API (DLPack 1.3: the type's
+ * `__dlpack_c_exchange_api__` capsule, "dlpack_exchange_api"), whose
+ * `dltensor_from_py_object_no_sync` describes a tensor's memory in a caller-provided struct:
+ * no Python call, object or allocation per tensor. The declarations below are the parts of
+ * the DLPack ABI used here (field order and types as the standard fixes them). */
+
+typedef struct {
+    int32_t device_type; /* 1: CPU */
+    int32_t device_id;
+} AmpDLDevice;
+
+typedef struct {
+    uint8_t code; /* 2: IEEE float, 4: bfloat */
+    uint8_t bits;
+    uint16_t lanes;
+} AmpDLDataType;
+
+typedef struct {
+    void *data;
+    AmpDLDevice device;
+    int32_t ndim;
+    AmpDLDataType dtype;
+    int64_t *shape;
+    int64_t *strides; /* in elements */
+    uint64_t byte_offset;
+} AmpDLTensor;
+
+typedef struct {
+    uint32_t major, minor;
+    void *prev_api;
+} AmpDLExchangeHeader;
+
+typedef struct {
+    AmpDLExchangeHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(void *py_object, AmpDLTensor *out);
+    void *current_work_stream;
+} AmpDLExchangeAPI;
+
+enum { AMP_DL_CPU = 1, AMP_DL_FLOAT = 2, AMP_DL_BFLOAT = 4 };
+
+static int dl_kind(AmpDLDataType t) {
+    if (t.lanes != 1) return -1;
+    if (t.code == AMP_DL_FLOAT) return t.bits == 16 ? KIND_F16 : t.bits == 32 ? KIND_F32 : t.bits == 64 ? KIND_F64 : -1;
+    if (t.code == AMP_DL_BFLOAT && t.bits == 16) return KIND_BF16;
+    return -1;
+}
+
+/* The exchange API in `capsule`, if it is one this file understands; else NULL (no error). */
+static const AmpDLExchangeAPI *exchange_api(PyObject *capsule) {
+    if (!PyCapsule_IsValid(capsule, "dlpack_exchange_api")) return NULL;
+    const AmpDLExchangeAPI *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    if (api == NULL || api->header.major != 1 || api->header.minor < 3 || api->dltensor_from_py_object_no_sync == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return api;
+}
+
+/* Fill `spans` from `items`: 1 if every one is a CPU tensor of the exact types `types`, all of
+ * one float kind (`*kind_out`), C-contiguous, with memory; 0 if not (no error set); -1 on error. */
+static int gather_tensors(PyObject **items, Py_ssize_t count, PyObject *types, const AmpDLExchangeAPI *api,
+                          Span *spans, int *kind_out) {
+    const Py_ssize_t type_count = PyTuple_GET_SIZE(types);
+    int kind = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = items[i];
+        int allowed = 0;
+        for (Py_ssize_t k = 0; k < type_count; k++) allowed |= (PyObject *)Py_TYPE(item) == PyTuple_GET_ITEM(types, k);
+        if (!allowed) return 0;
+        AmpDLTensor t;
+        if (api->dltensor_from_py_object_no_sync(item, &t) != 0) {
+            PyErr_Clear(); /* sparse, batched, meta, ... tensors: the framework's own kernel */
+            return 0;
+        }
+        int this_kind = dl_kind(t.dtype);
+        if (t.device.device_type != AMP_DL_CPU || this_kind < 0 || (kind >= 0 && this_kind != kind)) return 0;
+        kind = this_kind;
+        int64_t n = 1, expected = 1;
+        int contiguous = 1;
+        for (int32_t d = t.ndim - 1; d >= 0; d--) {
+            int64_t size = t.shape[d];
+            if (size != 1 && t.strides[d] != expected) contiguous = 0;
+            expected *= size;
+            n *= size;
+        }
+        if (n == 0) contiguous = 1;
+        if (!contiguous || n < 0 || (n > 0 && t.data == NULL)) return 0;
+        spans[i].data = (char *)t.data + t.byte_offset;
+        spans[i].n = (ptrdiff_t)n;
+    }
+    *kind_out = kind;
+    return kind >= 0;
+}
+
+PyDoc_STRVAR(check_and_unscale_tensors_doc,
+             "check_and_unscale_tensors(tensors, types, api, inv_scale, multiply, threads)\n\n"
+             "check_and_unscale() over a framework's tensors (a list), read through the DLPack C\n"
+             "exchange API capsule `api`. `inv_scale`: a float, or a one-element float32 CPU\n"
+             "tensor (read in place). Returns True/False (all values finite) when every\n"
+             "tensor is of one of the exact `types` (a tuple), on the CPU, of one float dtype,\n"
+             "C-contiguous and backed by memory; otherwise None, and nothing is touched.\n"
+             "Aliasing as check_and_unscale() (OverlapError before any change). The tensors must\n"
+             "not be resized or freed by another thread during the call.");
+
+/* The inverse scale: a Python float, or a one-element float32 CPU tensor read in place (host
+ * memory: nothing to wait for). 1 if read, 0 if `value` is neither (no error set), -1 on error. */
+static int read_inverse(PyObject *value, PyObject *types, const AmpDLExchangeAPI *api, float *out) {
+    if (PyFloat_Check(value)) {
+        *out = (float)PyFloat_AS_DOUBLE(value);
+        return 1;
+    }
+    Span span;
+    int kind;
+    int found = gather_tensors(&value, 1, types, api, &span, &kind);
+    if (found <= 0) return found;
+    if (kind != KIND_F32 || span.n != 1) return 0;
+    memcpy(out, span.data, sizeof *out);
+    return 1;
+}
+
+static PyObject *check_and_unscale_tensors(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *types, *capsule, *inverse;
+    int multiply, threads;
+    if (!PyArg_ParseTuple(args, "O!O!OOpi", &PyList_Type, &tensors, &PyTuple_Type, &types, &capsule, &inverse,
+                          &multiply, &threads)) {
+        return NULL;
+    }
+    const AmpDLExchangeAPI *api = exchange_api(capsule);
+    const Py_ssize_t count = PyList_GET_SIZE(tensors);
+    if (api == NULL || count == 0) Py_RETURN_NONE;
+    float inv;
+    int readable = read_inverse(inverse, types, api, &inv);
+    if (readable < 0) return NULL;
+    if (readable == 0) Py_RETURN_NONE;
+    if (!multiply) inv = 1.0f;
+    Span *spans = PyMem_Calloc((size_t)count, sizeof(Span));
+    if (spans == NULL) return PyErr_NoMemory();
+    int kind;
+    int found = gather_tensors(PySequence_Fast_ITEMS(tensors), count, types, api, spans, &kind);
+    if (found <= 0) {
+        PyMem_Free(spans);
+        if (found < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return finish(spans, run_spans(spans, count, kind, inv, multiply, threads));
+}
+
+PyDoc_STRVAR(tensor_kind_doc,
+             "tensor_kind(tensors, types, api) -> int | None\n\n"
+             "The kind check_and_unscale_tensors() would run `tensors` with, or None where it\n"
+             "would not run them (the same conditions); reads the tensors, changes nothing.");
+
+static PyObject *tensor_kind(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *types, *capsule;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyList_Type, &tensors, &PyTuple_Type, &types, &capsule)) return NULL;
+    const AmpDLExchangeAPI *api = exchange_api(capsule);
+    const Py_ssize_t count = PyList_GET_SIZE(tensors);
+    if (api == NULL || count == 0) Py_RETURN_NONE;
+    Span *spans = PyMem_Calloc((size_t)count, sizeof(Span));
+    if (spans == NULL) return PyErr_NoMemory();
+    int kind;
+    int found = gather_tensors(PySequence_Fast_ITEMS(tensors), count, types, api, spans, &kind);
+    PyMem_Free(spans);
+    if (found < 0) return NULL;
+    if (found == 0) Py_RETURN_NONE;
+    return PyLong_FromLong(kind);
+}
+
 PyDoc_STRVAR(use_isa_doc,
              "use_isa(name) -> str\n\n"
              "Select the kernel family: 'generic' (portable C), 'avx2', or 'best' (the fastest\n"
@@ -261,6 +520,9 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"check_and_unscale", check_and_unscale, METH_VARARGS, check_and_unscale_doc},
+    {"check_and_unscale_at", check_and_unscale_at, METH_VARARGS, check_and_unscale_at_doc},
+    {"check_and_unscale_tensors", check_and_unscale_tensors, METH_VARARGS, check_and_unscale_tensors_doc},
+    {"tensor_kind", tensor_kind, METH_VARARGS, tensor_kind_doc},
     {"use_isa", use_isa, METH_VARARGS, use_isa_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -5,8 +5,9 @@ loaded by torch or CuPy, a pip ``nvidia-cuda-nvrtc*`` wheel, ``CUDA_HOME``, the 
 path). A source is compiled to a cubin for the device's architecture when this NVRTC knows it,
 else to PTX for the newest architecture it knows (the driver then finishes the job). Binaries
 are cached under ``$AMPSCALE_CACHE_DIR`` (default ``~/.cache/ampscale/cuda``), keyed by the
-source, the options, the architecture and the NVRTC version; an unwritable cache only costs a
-compilation per process.
+source, the options, the architecture and the NVRTC version, through the safe cache of
+:mod:`ampscale._native._cache` (the user's own directory only, every entry verified before the
+driver sees it, atomic writes); a cache that cannot be used only costs a compilation per process.
 
 This module is framework-free: the torch backend uses it today, and a JAX XLA FFI CUDA handler
 can use the same :func:`compiled` binaries.
@@ -20,9 +21,10 @@ import hashlib
 import os
 import pathlib
 import sys
-import tempfile
 import threading
 from collections.abc import Sequence
+
+from ampscale._native import _cache
 
 __all__ = ["NvrtcError", "cache_dir", "compile_source", "compiled", "library_path", "load", "version"]
 
@@ -191,24 +193,67 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "ampscale" / "cuda"
 
 
+#: Why the disk cache was last not used (``None``: it was); for diagnostics and tests.
+last_cache_problem: str | None = None
+_CACHE_FORMAT = "ampscale nvrtc cache 2"  # in the key: entries of another layout are never read
+
+
+def _valid_image(image: bytes, kind: str) -> bool:
+    """A whole cubin (an ELF image) or PTX text (NUL-terminated, as NVRTC returns it)."""
+    if kind == "cubin":
+        return len(image) > 64 and image[:4] == b"\x7fELF"
+    return len(image) > 1 and image.endswith(b"\0") and b".version" in image
+
+
 def compiled(source: str, arch: int, options: Sequence[str] = (), name: str = "ampscale.cu") -> tuple[bytes, str]:
-    """:func:`compile_source`, through the disk cache (keyed by source, options, arch, NVRTC)."""
+    """:func:`compile_source`, through the disk cache (keyed by source, options, arch, NVRTC).
+
+    The cache is :mod:`ampscale._native._cache`: a directory another user could write is not
+    used, an entry is checked (size, hash, key, a whole cubin or PTX image) before it reaches
+    the driver, a bad one is removed and compiled again once, and writes are atomic. Where the
+    cache cannot be used (not the user's, unwritable, a full disk) the binary is compiled in
+    memory for this process only (:data:`last_cache_problem` says why).
+
+    Raises:
+        NvrtcError: the compilation failed, or NVRTC returned an empty or malformed image.
+    """
+    global last_cache_problem
     key = hashlib.sha256(
-        "\0".join([source, *options, str(arch), "nvrtc {}.{}".format(*version()), name]).encode()
+        "\0".join([_CACHE_FORMAT, source, *options, str(arch), "nvrtc {}.{}".format(*version()), name]).encode()
     ).hexdigest()
-    directory = cache_dir()
-    for kind in ("cubin", "ptx"):
-        path = directory / f"{key}.{kind}"
-        try:
-            return path.read_bytes(), kind
-        except OSError:
-            pass
-    image, kind = compile_source(source, arch, options, name)
+    fresh: list[tuple[bytes, str]] = []
+
+    def build() -> tuple[bytes, str]:
+        if not fresh:
+            image, kind = compile_source(source, arch, options, name)
+            if not _valid_image(image, kind):
+                raise NvrtcError(f"NVRTC returned an empty or malformed {kind} image for {name} ({len(image)} bytes)")
+            fresh.append((image, kind))
+        return fresh[0]
+
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as f:
-            f.write(image)
-        os.replace(f.name, directory / f"{key}.{kind}")  # atomic: readers never see a partial file
-    except OSError:
-        pass  # no cache: compile again next process
-    return image, kind
+        directory = _cache.prepare_directory(str(cache_dir()))
+        for kind in ("cubin", "ptx"):
+            entry_name = f"{key}.{kind}"
+            try:
+                entry = _cache.read_entry(directory, entry_name, entry_name)
+            except _cache.InvalidEntry:
+                entry = None
+                _cache.remove_entry(directory, entry_name)  # truncated, empty or foreign: built again
+            if entry is not None:
+                with entry:
+                    if _valid_image(entry.payload, kind):
+                        last_cache_problem = None
+                        return entry.payload, kind
+                _cache.remove_entry(directory, entry_name)
+        image, kind = build()
+        with _cache.obtain(
+            directory, f"{key}.{kind}", f"{key}.{kind}", lambda path: _cache.write_bytes(path, image)
+        ) as entry:
+            if not _valid_image(entry.payload, kind):  # a valid trailer over a bad image: never ours
+                raise _cache.CacheError(f"{entry.path} holds a malformed {kind} image")
+            last_cache_problem = None
+            return entry.payload, kind
+    except _cache.CacheError as exc:  # no cache (CacheUnavailable included): compile in memory
+        last_cache_problem = str(exc)
+        return build()
