@@ -1101,6 +1101,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             self._rest = rest
             self._record = record
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # pickles written before the device record existed lack it: a copy builds it lazily
+        state.setdefault("_record", None)
+        self.__dict__.update(state)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:

@@ -44,15 +44,17 @@ try:
 except ModuleNotFoundError as exc:
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult
+from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult, _fresh_state, _HostView
 
 if TYPE_CHECKING:
     from ampscale._torch_sharded import ShardedGradScaler
 
 __all__ = ["GradScaler", "OptState", "SettingError", "ShardedGradScaler", "StepResult"]
 
-# the public home of the classes (reprs, pickles, the API reference)
-for _public in (GradScaler, SettingError, StepResult):
+# the public home of the classes (reprs, pickles, the API reference); a pickled GradScaler also
+# names the factory of its per-optimizer states and its host views: they are found here too, so
+# pickles load whichever module of the package defines them
+for _public in (GradScaler, SettingError, StepResult, _fresh_state, _HostView):
     _public.__module__ = __name__
 del _public
 

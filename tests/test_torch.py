@@ -320,6 +320,34 @@ def test_setters_getters_update_new_scale_and_pickle() -> None:
     assert clone.state_dict() == ours.state_dict()
 
 
+def test_a_pickle_names_only_the_public_module_and_older_pickles_load() -> None:
+    import pickletools
+
+    scaler = amp_torch.GradScaler("cpu", growth_interval=3)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for x, y in batches(2):
+        train_step(model, opt, scaler, x, y, False)
+    data = pickle.dumps(scaler)
+    # what a pickle names is where it must be found again: the drop-in's public module, never the
+    # private one that a reorganisation may move (pickles made before GradScaler moved to
+    # ampscale._torch_scaler name ampscale.torch), beside the settings' own home
+    strings = [arg for op, arg, _ in pickletools.genops(data) if isinstance(arg, str)]
+    named = {s for s in strings if s.startswith("ampscale")}
+    assert named == {"ampscale.torch", "ampscale._config"}, named
+    assert {"_fresh_state", "_HostView", "GradScaler"} <= set(strings)
+    # a pickle from before the device record: its state lacks ``_record``
+    state = scaler.__getstate__()
+    del state["_record"]
+    older = amp_torch.GradScaler.__new__(amp_torch.GradScaler)
+    older.__setstate__(state)
+    clone = pickle.loads(pickle.dumps(older))
+    for x, y in batches(2):
+        train_step(model, opt, clone, x, y, False)
+        train_step(model, opt, scaler, x, y, False)
+    assert clone.state_dict() == scaler.state_dict()
+
+
 def test_what_torch_lacks_presets_floors_hysteresis() -> None:
     scaler = amp_torch.GradScaler("cpu", preset="megatron", init_scale=4.0, min_scale=2.0, on_floor="raise")
     model = make_model()
