@@ -17,7 +17,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
+from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, InPlaceUpdateError, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
@@ -734,7 +734,7 @@ def _check_loss_is_array(loss: Any) -> None:
     if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
         raise TypeError(
             f"loss must be an array of your framework (the value your backward pass starts from), "
-            f"not a Python {type(loss).__name__} ({loss!r}): for example np.float32(loss), "
+            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
             "torch.tensor(loss) or jnp.float32(loss)"
         )
 
@@ -746,7 +746,7 @@ def _check_flag(flag: Any, name: str) -> None:
     dtype = getattr(flag, "dtype", None)
     shape = getattr(flag, "shape", None)
     if dtype is None or shape is None:
-        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {flag!r}")
+        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
     if tuple(shape) != ():
         raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
     kind = getattr(dtype, "kind", None)
@@ -970,9 +970,13 @@ def masked_add_(finite: Any, targets: Any, updates: Any, *, alpha: float = 1.0) 
         array([0., 0., 0.], dtype=float32)
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {alpha!r}")
+        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {shown(alpha)}")
+    try:
+        factor = float(alpha)
+    except OverflowError:
+        raise ValueError(f"alpha must be a real number within the float range; got {shown(alpha)}") from None
     backend, target_leaves, update_leaves = _masked_arguments(finite, targets, updates, "updates")
-    backend.masked_add_(finite, target_leaves, update_leaves, float(alpha))
+    backend.masked_add_(finite, target_leaves, update_leaves, factor)
     return targets
 
 

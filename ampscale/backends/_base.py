@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from ampscale import _tree
+from ampscale._config import shown
 from ampscale._core import INT_FIELDS, ScalerState, transition
 from ampscale._errors import AliasedGradientsError
 from ampscale._native.cuda._packed import PackedState
@@ -609,7 +610,7 @@ class Backend(abc.ABC):
         """Combine ``finite`` across the devices or processes of ``group`` (logical and)."""
         if group is None:
             return finite
-        raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={group!r}")
+        raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={shown(group)}")
 
     def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
         """Both flags of a step (the gradients' and the scaled loss's) agreed across ``group``.

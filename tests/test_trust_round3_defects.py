@@ -1,0 +1,210 @@
+"""Trust, round three, checked again: what a review of the fixes to issue 24's sections 1-4 found.
+
+- Every message that quotes a value the user gave (an argument, a checkpoint's entry) quotes it
+  through ``ampscale._config.shown``: an integer of any length is named, abbreviated, and never
+  replaces the error with Python's own ``ValueError`` (its 4300-digit limit for printing ints).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ampscale
+
+GIANT = 10**5000  # beyond the 4300 digits Python prints (sys.get_int_max_str_digits)
+HUGE = 10**400  # printable, and 401 digits long
+
+
+def _messages(action: Callable[[], object]) -> tuple[BaseException | None, list[str]]:
+    """The exception ``action`` raised (or None), and every message it raised or warned."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            action()
+            error = None
+        except Exception as exc:
+            error = exc
+    texts = [str(w.message) for w in caught] + ([] if error is None else [str(error)])
+    return error, texts
+
+
+def _abbreviated(texts: list[str]) -> None:
+    for text in texts:
+        assert "int_max_str_digits" not in text, text
+        assert not re.search(r"\d{25}", text), f"a value printed in full: {text[:300]}"
+
+
+def _saved() -> dict:
+    return ampscale.create_scaler(backend="numpy").update(True).state_dict()
+
+
+def _top(key: str) -> Callable[[int], dict]:
+    def make(value: int) -> dict:
+        saved = _saved()
+        saved[key] = value
+        return saved
+
+    return make
+
+
+def _version(value: int) -> dict:
+    saved = _saved()
+    saved["ampscale"]["version"] = value
+    return saved
+
+
+def _torch_dict(value: int) -> dict:
+    return {"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": value, "_growth_tracker": 0}
+
+
+#: checkpoints with a huge integer where the loader quotes it: the key each message names
+CHECKPOINTS: dict[str, tuple[Callable[[int], dict], str]] = {
+    "scale beside the 'ampscale' entry": (_top("scale"), "'scale'"),
+    "_growth_tracker beside the 'ampscale' entry": (_top("_growth_tracker"), "'_growth_tracker'"),
+    "growth_interval beside the 'ampscale' entry": (_top("growth_interval"), "'growth_interval'"),
+    "growth_factor beside the 'ampscale' entry": (_top("growth_factor"), "'growth_factor'"),
+    "ampscale.version": (_version, "version"),
+}
+
+
+@pytest.mark.parametrize("value", [GIANT, -GIANT, HUGE], ids=["10**5000", "-10**5000", "10**400"])
+@pytest.mark.parametrize("case", sorted(CHECKPOINTS))
+def test_a_huge_integer_in_a_checkpoint_is_named_abbreviated(case: str, value: int) -> None:
+    make, key = CHECKPOINTS[case]
+    scaler = ampscale.create_scaler(backend="numpy")
+    error, texts = _messages(lambda: scaler.load_state_dict(make(value)))
+    assert isinstance(error, ampscale.StateDictError), error
+    assert key in str(error)
+    _abbreviated(texts)
+
+
+@pytest.mark.parametrize("value", [-GIANT, -HUGE], ids=["-10**5000", "-10**400"])
+def test_torchs_never_growing_interval_warns_with_the_value_abbreviated(value: int) -> None:
+    """torch's checkpoints may hold any interval below 1 ("never grows"): loaded, with a warning."""
+    error, texts = _messages(lambda: ampscale.create_scaler(backend="numpy").load_state_dict(_torch_dict(value)))
+    assert error is None
+    assert any("growth_interval=" in text and "never grows" in text for text in texts)
+    _abbreviated(texts)
+
+
+def _fp8_saved() -> dict:
+    import ampscale.fp8
+
+    return ampscale.fp8.create_fp8_scaler().state_dict()
+
+
+def _fp8_load(change: Callable[[dict, int], None]) -> Callable[[int], object]:
+    def load(value: int) -> object:
+        import ampscale.fp8
+
+        saved = _fp8_saved()
+        change(saved["ampscale_fp8"], value)
+        return ampscale.fp8.create_fp8_scaler().load_state_dict(saved)
+
+    return load
+
+
+def _drop_in_update(value: int) -> object:
+    torch = pytest.importorskip("torch")
+    import ampscale.torch
+
+    scaler = ampscale.torch.GradScaler("cpu")
+    scaler.scale(torch.ones(1))
+    return scaler.update(value)
+
+
+def _drop_in_interval(value: int) -> object:
+    pytest.importorskip("torch")
+    import ampscale.torch
+
+    return ampscale.torch.GradScaler("cpu", growth_interval=value)
+
+
+def _jax(build: Callable[[Any, int], object]) -> Callable[[int], object]:
+    def call(value: int) -> object:
+        pytest.importorskip("jax")
+        import ampscale.jax
+
+        return build(ampscale.jax, value)
+
+    return call
+
+
+#: every other entry point that quotes a number it was given: (call, error type, the name it gives)
+ARGUMENTS: dict[str, tuple[Callable[[int], object], type[BaseException], str]] = {
+    "Scaler.scale(loss)": (lambda v: ampscale.create_scaler().scale(v), TypeError, "loss"),
+    "Scaler.unscale(loss=)": (lambda v: ampscale.create_scaler().unscale([np.ones(1)], loss=v), TypeError, "loss"),
+    "Scaler.update(finite)": (lambda v: ampscale.create_scaler().update(v), TypeError, "finite"),
+    "masked_add_(alpha=)": (
+        lambda v: ampscale.masked_add_(np.True_, [np.ones(2)], [np.ones(2)], alpha=v),
+        ValueError,
+        "alpha",
+    ),
+    "create_scaler(backend=)": (lambda v: ampscale.create_scaler(backend=v), ValueError, "backend"),
+    "create_scaler(init_scale=[...])": (lambda v: ampscale.create_scaler(init_scale=[v]), ValueError, "init_scale"),
+    "GradScaler.update(new_scale)": (_drop_in_update, ValueError, "new_scale"),
+    "GradScaler(growth_interval=)": (_drop_in_interval, ValueError, "growth_interval"),
+    "fp8 version": (_fp8_load(lambda d, v: d.__setitem__("version", v)), ampscale.StateDictError, "version"),
+    "fp8 slot scale": (
+        _fp8_load(lambda d, v: d["slots"][0].__setitem__("scale", v)),
+        ampscale.StateDictError,
+        "slots[0].scale",
+    ),
+    "fp8 history_len": (_fp8_load(lambda d, v: d["settings"].__setitem__("history_len", v)), ValueError, "history_len"),
+    "create_fp8_scaler(margin=)": (
+        lambda v: __import__("ampscale.fp8").fp8.create_fp8_scaler(margin=v),
+        ValueError,
+        "margin",
+    ),
+    "create_fp8_scaler(eps=)": (lambda v: __import__("ampscale.fp8").fp8.create_fp8_scaler(eps=v), ValueError, "eps"),
+    "jax DynamicScale(scale=)": (_jax(lambda m, v: m.DynamicScale(scale=v)), ValueError, "scale"),
+    "jax DynamicScale(minimum_scale=)": (
+        _jax(lambda m, v: m.DynamicScale(minimum_scale=v)),
+        ValueError,
+        "minimum_scale",
+    ),
+    "jax DynamicScale(fin_steps=)": (_jax(lambda m, v: m.DynamicScale(fin_steps=v)), ValueError, "fin_steps"),
+    "jmp DynamicLossScale(period=)": (
+        _jax(lambda m, v: m.DynamicLossScale(np.float32(1), period=v)),
+        ValueError,
+        "period",
+    ),
+    "jmp DynamicLossScale(factor=)": (
+        _jax(lambda m, v: m.DynamicLossScale(np.float32(1), factor=v)),
+        ValueError,
+        "factor",
+    ),
+}
+
+
+@pytest.mark.parametrize("value", [GIANT, -GIANT, HUGE], ids=["10**5000", "-10**5000", "10**400"])
+@pytest.mark.parametrize("case", sorted(ARGUMENTS))
+def test_a_huge_integer_argument_is_named_abbreviated(case: str, value: int) -> None:
+    call, kind, name = ARGUMENTS[case]
+    if case == "GradScaler(growth_interval=)" and value < 0:
+        value = -value  # below 1 is torch's "never grows", accepted: the warning is tested above
+    error, texts = _messages(lambda: call(value))
+    assert isinstance(error, kind), f"{case}: {error!r}"
+    assert name in str(error)
+    _abbreviated(texts)
+
+
+def test_shown_abbreviates_what_would_be_huge_and_keeps_the_rest() -> None:
+    from ampscale._config import shown
+
+    assert shown(3) == "3"
+    assert shown("warn") == "'warn'"
+    assert shown(10**30) == "100000000000...0000 (an integer of 31 digits)"
+    assert shown(GIANT) == "an integer of about 5000 digits"
+    assert shown(-GIANT) == "a negative integer of about 5000 digits"
+    assert shown([GIANT]) == "a list holding an integer too long to print"
+    assert shown([HUGE, 1.5]) == "[100000000000...0000 (401 digits), 1.5]"
+    long_text = shown("x" * 1000)
+    assert len(long_text) < 220
+    assert long_text.endswith("(str, 1002 characters)")
