@@ -193,8 +193,9 @@ def _warn_foreign_rules(system: str, preset: str, config: ScalerConfig, stacklev
     differ = [f"{name}={ours[name]!r} ({system}: {theirs[name]!r})" for name in _RULES if ours[name] != theirs[name]]
     if not differ:
         return
+    article = "an" if system[0].lower() in "aeiou" else "a"
     warnings.warn(
-        f"loading a {system} state dict into a scaler whose rules differ from {system}'s: {', '.join(differ)}. "
+        f"loading {article} {system} state dict into a scaler whose rules differ from {system}'s: {', '.join(differ)}. "
         f"The scale and the counters go on under this scaler's rules (preset {config.preset!r}), not "
         f"{system}'s; create the scaler with preset={preset!r} to continue {system}'s trajectory exactly",
         AmpscaleWarning,

@@ -208,3 +208,13 @@ def test_shown_abbreviates_what_would_be_huge_and_keeps_the_rest() -> None:
     long_text = shown("x" * 1000)
     assert len(long_text) < 220
     assert long_text.endswith("(str, 1002 characters)")
+
+
+def test_the_foreign_rules_warning_reads_right() -> None:
+    apex = {"loss_scale": 2.0, "unskipped": 0}
+    with pytest.warns(ampscale.AmpscaleWarning) as caught:
+        ampscale.create_scaler(backend="numpy").load_state_dict(apex)
+    text = str(caught[0].message)
+    assert text.startswith("loading an apex LossScaler state dict"), text
+    with pytest.warns(ampscale.AmpscaleWarning, match="^loading a torch.amp.GradScaler state dict"):
+        ampscale.create_scaler(backend="numpy", preset="megatron").load_state_dict(_torch_dict(2000))
