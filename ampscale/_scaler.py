@@ -295,6 +295,7 @@ class Scaler:
                 fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
                 if fused is not None:
                     new_leaves, finite, loss_finite = fused
+                    finite = backend.own_flag(finite)
                     _set_flags(self, (finite, None))  # see update()
                     return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
             inv = backend.inverse_of(state) if config.scales else None
@@ -322,6 +323,7 @@ class Scaler:
                 tree = (tree, 0.0 if fraction is None else fraction)
             if loss_finite is not None:
                 finite = backend.logical_and(finite, loss_finite)
+            finite = backend.own_flag(finite)
             _set_flags(self, (finite, None))  # see update()
             return tree, finite, loss_finite, backend
         except Exception as exc:  # an error naming leaves by index: name them by path too

@@ -3,6 +3,8 @@
 - Every message that quotes a value the user gave (an argument, a checkpoint's entry) quotes it
   through ``ampscale._config.shown``: an integer of any length is named, abbreviated, and never
   replaces the error with Python's own ``ValueError`` (its 4300-digit limit for printing ints).
+- ``update()`` twice with one step's flag is refused on every backend, and only then (NumPy's
+  booleans are two shared objects; a step's flag must be its own).
 """
 
 from __future__ import annotations
@@ -218,3 +220,56 @@ def test_the_foreign_rules_warning_reads_right() -> None:
     assert text.startswith("loading an apex LossScaler state dict"), text
     with pytest.warns(ampscale.AmpscaleWarning, match="^loading a torch.amp.GradScaler state dict"):
         ampscale.create_scaler(backend="numpy", preset="megatron").load_state_dict(_torch_dict(2000))
+
+
+# ------------------------------------------------------------------------------ update() twice
+
+
+def _flag_sources(backend: str) -> list[Callable[[], Any]]:
+    """Flags of other steps on ``backend``: all_finite, a plain NumPy bool, a second unscale."""
+    ones = _ones(backend)
+    scaler = ampscale.create_scaler(backend)
+    return [
+        lambda: ampscale.all_finite([ones]),
+        lambda: np.True_,
+        lambda: np.bool_(True),
+        lambda: scaler.unscale([ones])[1],
+        lambda: ampscale.create_scaler(backend).unscale([ones])[1],
+    ]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_update_after_update_takes_any_other_steps_flag(backend: str) -> None:
+    """A scaler made by ``update(f)`` counts the next step's flag, whatever object it is; only
+    ``f`` itself is refused (it would count its step twice)."""
+    for source in _flag_sources(backend):
+        scaler = ampscale.create_scaler(backend, growth_interval=3)
+        _, flag = scaler.unscale([_ones(backend)])
+        once = scaler.update(flag)
+        twice = once.update(source())
+        assert twice.get_stats()["steps"] == 2
+        with pytest.raises(ValueError, match="count twice"):
+            once.update(flag)
+
+
+def _ones(backend: str) -> Any:
+    if backend == "numpy":
+        return np.ones(3, np.float32)
+    if backend == "torch":
+        return pytest.importorskip("torch").ones(3)
+    return pytest.importorskip("jax.numpy").ones(3)
+
+
+def test_numpys_flag_is_a_0d_bool_array_of_its_own_step() -> None:
+    scaler = ampscale.create_scaler(backend="numpy")
+    _, first = scaler.unscale([np.ones(3, np.float32)])
+    _, second = scaler.unscale([np.ones(3, np.float32)], loss=np.float32(2.0))
+    _, empty = scaler.unscale([])
+    for flag in (first, second, empty):
+        assert isinstance(flag, np.ndarray)
+        assert flag.shape == ()
+        assert flag.dtype == np.bool_
+        assert bool(flag)
+    assert first is not second
+    _, bad = scaler.unscale([np.full(3, np.inf, np.float32)])
+    assert not bool(bad)

@@ -518,6 +518,11 @@ class Backend(abc.ABC):
         """Move a 0-d value to ``like``'s device (no-op for single-device backends)."""
         return value
 
+    def own_flag(self, finite: Any) -> Any:
+        """``finite`` as an object that no other step's flag is (``Scaler.update`` tells a flag
+        already counted from a new one by identity). Arrays made per call already are."""
+        return finite
+
     def as_bool(self, value: Any, like: Any = None) -> Any:
         """A 0-d bool of this backend from a Python bool or a 0-d array."""
         xp = self.namespace()

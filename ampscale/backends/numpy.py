@@ -253,6 +253,11 @@ class NumpyBackend(Backend):
     def as_bool(self, value: Any, like: Any = None) -> Any:
         return np.bool_(bool(value))
 
+    def own_flag(self, finite: Any) -> Any:
+        # NumPy's booleans are two shared objects (np.True_, np.False_): a step's flag would be
+        # every step's. A 0-d array is a new object per step, and still a 0-d bool array.
+        return np.array(finite)
+
     def apply_if(
         self,
         finite: Any,
