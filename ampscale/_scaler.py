@@ -379,7 +379,9 @@ class Scaler:
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
                 assert new_fields is not None
-                backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
+                backend.host_callback(  # type: ignore[attr-defined]
+                    self._react_to_floor_traced, floor_event, *new_fields, setting=f"on_floor={config.on_floor!r}"
+                )
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
         nxt = Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))

@@ -5,6 +5,7 @@
   replaces the error with Python's own ``ValueError`` (its 4300-digit limit for printing ints).
 - ``update()`` twice with one step's flag is refused on every backend, and only then (NumPy's
   booleans are two shared objects; a step's flag must be its own).
+- ``jax.export`` of an ``update()`` that reacts at the floor is refused naming ``on_floor``.
 """
 
 from __future__ import annotations
@@ -273,3 +274,46 @@ def test_numpys_flag_is_a_0d_bool_array_of_its_own_step() -> None:
     assert first is not second
     _, bad = scaler.unscale([np.full(3, np.inf, np.float32)])
     assert not bool(bad)
+
+
+# ------------------------------------------------------------------------------ jax.export
+
+
+@pytest.mark.parametrize("on_floor", ["warn", "raise", "callback"])
+def test_jax_export_of_an_update_that_reacts_at_the_floor_is_refused_by_name(on_floor: str) -> None:
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax import export
+
+    import ampscale.backends.jax  # registers the scaler's serialization (for deserialize)
+
+    reaction: Any = (lambda event: None) if on_floor == "callback" else on_floor
+
+    def train_step(scaler: ampscale.Scaler, grads: dict) -> tuple:
+        grads, finite = scaler.unscale(grads)
+        return grads, scaler.update(finite)
+
+    grads = {"w": jnp.full(4, 2.0**16)}
+    scaler = ampscale.create_scaler(backend="jax", on_floor=reaction)
+    with pytest.raises(ValueError, match=r"on_floor=.*on_floor='ignore'"):
+        export.export(jax.jit(train_step))(scaler, grads)
+    # jit keeps the reaction; an export of the same step with on_floor="ignore" serializes
+    out, after = jax.jit(train_step)(scaler, grads)
+    assert after.get_scale() == 65536.0
+    exported = export.export(jax.jit(train_step))(scaler.replace(on_floor="ignore"), grads)
+    again = export.deserialize(exported.serialize())
+    out, after = again.call(scaler.replace(on_floor="ignore"), {"w": jnp.full(4, 2.0**16)})
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.ones(4, np.float32))
+
+
+def test_the_deepspeed_presets_export_is_refused_naming_its_default() -> None:
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax import export
+
+    def train_step(scaler: ampscale.Scaler, grads: list) -> ampscale.Scaler:
+        return scaler.update(scaler.unscale(grads)[1])
+
+    scaler = ampscale.create_scaler(backend="jax", preset="deepspeed")
+    with pytest.raises(ValueError, match="on_floor='raise'"):
+        export.export(jax.jit(train_step))(scaler, [jnp.ones(2)])

@@ -815,7 +815,7 @@ def _serialize_config(aux: Any) -> bytes:
     if callable(state.get("on_floor")):
         raise ValueError(
             "jax.export cannot serialize a scaler whose on_floor is a callback (a Python function "
-            "cannot be stored in an artifact); export with on_floor='ignore', 'warn' or 'raise'"
+            "cannot be stored in an artifact); export a scaler created with on_floor='ignore'"
         )
     axis = state.get("axis_name")
     if not (axis is None or isinstance(axis, (str, int))):
