@@ -6,6 +6,8 @@
 - ``update()`` twice with one step's flag is refused on every backend, and only then (NumPy's
   booleans are two shared objects; a step's flag must be its own).
 - ``jax.export`` of an ``update()`` that reacts at the floor is refused naming ``on_floor``.
+- Without the native NumPy kernel, a buffer given twice is unscaled once and overlapping
+  buffers are refused, as with it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 import pytest
 
 import ampscale
+from ampscale.backends import numpy as numpy_backend
+from tests.conftest import without_native_numpy_kernel
 
 GIANT = 10**5000  # beyond the 4300 digits Python prints (sys.get_int_max_str_digits)
 HUGE = 10**400  # printable, and 401 digits long
@@ -317,3 +321,37 @@ def test_the_deepspeed_presets_export_is_refused_naming_its_default() -> None:
     scaler = ampscale.create_scaler(backend="jax", preset="deepspeed")
     with pytest.raises(ValueError, match="on_floor='raise'"):
         export.export(jax.jit(train_step))(scaler, [jnp.ones(2)])
+
+
+# ------------------------------------------------------------------------------ no native kernel
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "without the kernel"])
+def test_overlapping_gradients_are_refused_untouched_with_or_without_the_kernel(native: bool) -> None:
+    if native and not numpy_backend.NATIVE:
+        pytest.skip("the native kernel is not built here")
+    shared = np.full(10, 4.0, np.float32)
+    tree = {"w": shared[:6], "v": [np.ones(2, np.float32), shared[4:]]}
+    refused = pytest.raises(ampscale.AliasedGradientsError, match=r"\['w'\].*\['v'\]\[1\]")
+    with without_native_numpy_kernel(not native), refused:
+        ampscale.create_scaler().unscale(tree)
+    np.testing.assert_array_equal(shared, np.full(10, 4.0, np.float32))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "without the kernel"])
+@pytest.mark.parametrize("writable", [True, False], ids=["writable", "read-only"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one dtype", "two dtypes"])
+def test_a_buffer_given_twice_is_unscaled_once_and_returned_unscaled_twice(
+    native: bool, writable: bool, mixed: bool
+) -> None:
+    if native and not numpy_backend.NATIVE:
+        pytest.skip("the native kernel is not built here")
+    grad = np.full(3, 4.0, np.float32)
+    grad.flags.writeable = writable
+    tree = [grad, grad, grad[:]] + ([np.full(2, 4.0, np.float16)] if mixed else [])
+    with without_native_numpy_kernel(not native):
+        out, finite = ampscale.create_scaler(init_scale=2.0).unscale(tree)
+    assert bool(finite)
+    for leaf in out:
+        np.testing.assert_array_equal(leaf, np.full(leaf.shape, 2.0, leaf.dtype))
+    np.testing.assert_array_equal(grad, np.full(3, 2.0 if writable else 4.0, np.float32))
