@@ -8,6 +8,8 @@
 - ``jax.export`` of an ``update()`` that reacts at the floor is refused naming ``on_floor``.
 - Without the native NumPy kernel, a buffer given twice is unscaled once and overlapping
   buffers are refused, as with it.
+- A callable ``axis_name`` (the documented way to agree over mpi4py) works on NumPy and the
+  array-API backend too (found by making the docs' blocks check their results).
 """
 
 from __future__ import annotations
@@ -355,3 +357,34 @@ def test_a_buffer_given_twice_is_unscaled_once_and_returned_unscaled_twice(
     for leaf in out:
         np.testing.assert_array_equal(leaf, np.full(leaf.shape, 2.0, leaf.dtype))
     np.testing.assert_array_equal(grad, np.full(3, 2.0 if writable else 4.0, np.float32))
+
+
+# ------------------------------------------------------------------------------ a callable agreement
+
+
+@pytest.mark.parametrize("backend", ["numpy", "array_api_strict", "torch", "jax"])
+def test_a_callable_axis_name_agrees_the_flag_on_every_backend(backend: str) -> None:
+    """docs/backends.md: on host backends ``axis_name`` may be any callable ``bool -> bool`` (an
+    mpi4py all-reduce): the flag it returns is the step's, on every backend."""
+    if backend == "numpy":
+        namespace: Any = "numpy"
+        grads = [np.full(2, 4.0, np.float32)]
+    elif backend == "array_api_strict":
+        namespace = pytest.importorskip("array_api_strict")
+        grads = [namespace.asarray([4.0, 4.0])]
+    else:
+        namespace = backend
+        grads = [_ones(backend)]
+    seen: list[bool] = []
+
+    def another_rank_overflowed(finite: Any) -> bool:
+        seen.append(bool(finite))
+        return False
+
+    scaler = ampscale.create_scaler(backend=namespace, init_scale=2.0, axis_name=another_rank_overflowed)
+    _, finite = scaler.unscale(grads)
+    assert seen == [True]
+    assert not bool(finite)
+    assert scaler.update(finite).get_scale() == 1.0
+    _, finite = scaler.unscale(grads, axis_name=lambda finite: bool(finite))
+    assert bool(finite)

@@ -615,6 +615,8 @@ class Backend(abc.ABC):
         """Combine ``finite`` across the devices or processes of ``group`` (logical and)."""
         if group is None:
             return finite
+        if callable(group):  # the user's own collective (mpi4py, ...): one flag in, one out
+            return self.as_bool(group(finite), finite)
         raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={shown(group)}")
 
     def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
