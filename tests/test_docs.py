@@ -4,7 +4,13 @@ Every ```python block of README.md and docs/*.md runs alone, in a fresh interpre
 that leans on a name from an earlier block fails. A block that is meant to go on from the one
 before starts with ``# (continued)`` and runs after it, as one program. A block runs where
 what it imports is installed (and, for CuPy, where a GPU is usable); none is skipped for any
-other reason. A ``print(...)`` line ending in a ``# comment`` must print that comment.
+other reason.
+
+Running is not enough: every block checks what it computes, so a block that runs but computes
+the wrong thing fails. A ``print(...)`` line ending in a ``# comment`` must print that comment;
+a ``# prints:`` line followed by comment lines must print those lines, in a row; an ``assert``
+must hold. Only output that depends on the machine (a status line) is shown unchecked, after
+``# prints, for example:``.
 """
 
 from __future__ import annotations
@@ -106,6 +112,37 @@ def expected_prints(code: str) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"^[ \t]*print\(.*\)[ \t]+#[ \t]?(.*)$", code, flags=re.M)]
 
 
+PRINTS = "# prints:"
+EXAMPLE = "# prints, for example:"
+
+
+def expected_outputs(code: str) -> list[list[str]]:
+    """The output each ``# prints:`` line announces: the comment lines right after it."""
+    outputs: list[list[str]] = []
+    lines = code.splitlines()
+    for index, line in enumerate(lines):
+        if line.strip() != PRINTS:
+            continue
+        shown: list[str] = []
+        for following in lines[index + 1 :]:
+            if not following.lstrip().startswith("#"):
+                break
+            shown.append(following.lstrip()[1:].removeprefix(" ").rstrip())
+        outputs.append(shown)
+    return outputs
+
+
+def checks(code: str) -> int:
+    """How many results the code checks: print claims, announced outputs, asserts."""
+    asserts = sum(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(code)))
+    return len(expected_prints(code)) + len(expected_outputs(code)) + asserts
+
+
+def printed_in_a_row(expected: list[str], printed: list[str]) -> bool:
+    """Whether ``expected`` appears in ``printed`` as consecutive lines."""
+    return any(printed[i : i + len(expected)] == expected for i in range(len(printed) - len(expected) + 1))
+
+
 def _param(block: Block) -> object:
     marks = [pytest.mark.gpu] if "cupy" in imported_modules(block.code) else []
     return pytest.param(block, id=block.id, marks=marks)
@@ -121,6 +158,22 @@ def test_every_code_block_runs_alone_in_a_fresh_interpreter(block: Block) -> Non
     printed = [line.strip() for line in result.stdout.splitlines()]
     for claim in expected_prints(block.own):
         assert claim in printed, f"{block.id} says it prints {claim!r}; it printed {printed}"
+    lines = [line.rstrip() for line in result.stdout.splitlines()]
+    for output in expected_outputs(block.own):
+        assert printed_in_a_row(output, lines), f"{block.id} says it prints {output}; it printed {lines}"
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in ALL_BLOCKS])
+def test_every_code_block_checks_its_results(block: Block) -> None:
+    """A block that only runs would pass while computing the wrong thing (the README's one-call
+    block once unscaled its gradients twice, and ran)."""
+    if EXAMPLE in block.own:
+        assert PRINTS not in block.own, f"{block.id}: either checked output or an example, not both"
+        return
+    assert checks(block.own) > 0, (
+        f"{block.id} checks nothing it computes: end a print(...) with '# <what it prints>', add "
+        f"'{PRINTS}' and the output as comments, or an assert\n{block.own}"
+    )
 
 
 def test_the_block_rules_catch_what_they_claim_to(tmp_path) -> None:
@@ -138,6 +191,13 @@ def test_the_block_rules_catch_what_they_claim_to(tmp_path) -> None:
     assert "NameError" in run_block(leaning).stderr
     assert expected_prints(continued.own) == ["2"]
     assert expected_prints("print(x)\n# shown output, machine-dependent\n") == []  # a claim shares the line
+    shown = "print('a')\nprint('  b')\n# prints:\n# a\n#   b\nx = 1\n# not output\n"
+    assert expected_outputs(shown) == [["a", "  b"]]
+    assert printed_in_a_row(["a", "  b"], ["x", "a", "  b"])
+    assert not printed_in_a_row(["a", "  b"], ["a", "x", "  b"])
+    assert checks(shown) == 1
+    assert checks("x = 1\nassert x == 1\n") == 1
+    assert checks("x = 1  # one\nprint(x)\n") == 0
     code = "import jax.numpy as jnp\nfrom cupy.cuda import nccl\nimport numpy"
     assert imported_modules(code) == {"jax", "cupy", "numpy"}
     assert imported_modules("import ampscale.torch") == {"ampscale", "torch"}
