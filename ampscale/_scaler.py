@@ -567,8 +567,10 @@ class Scaler:
     def state_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable, versioned dict of the settings and state (a host read).
 
-        It also carries ``torch.amp.GradScaler``'s five keys, so ``torch.amp.GradScaler`` can
-        load it. See :mod:`ampscale._state_dict` for the format.
+        It holds ``torch.amp.GradScaler``'s five keys at the top level, so
+        ``torch.amp.GradScaler`` can load it, and everything else under ``"ampscale"``: the
+        format ``version`` (``ampscale.FORMAT_VERSION``), the ``preset``, every setting and
+        every state field.
         """
         from ampscale._state_dict import to_state_dict
 

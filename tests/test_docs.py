@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import html
 import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -232,3 +234,40 @@ def test_files_the_docs_cite_exist() -> None:
     installed = pathlib.Path(ampscale.__file__).parent.parent  # the source tree, or site-packages
     absent = [p for p in cited if not (installed if p.startswith("ampscale/") else ROOT).joinpath(p).exists()]
     assert sorted(absent) == []
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The docs site, built once as CI builds it (strict), where the docs tools are installed."""
+    for module in ("mkdocs", "material", "mkdocstrings_handlers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the docs build needs {module} (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return out
+
+
+def page_text(site: pathlib.Path, page: str) -> str:
+    """A built page's text, as a reader sees it (tags removed, entities decoded)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", (site / page / "index.html").read_text()))
+
+
+def test_the_api_reference_shows_defaults_and_links_not_source_markup(site: pathlib.Path) -> None:
+    page = (site / "api" / "index.html").read_text()
+    text = page_text(site, "api")
+    assert "_UNSET" not in text
+    assert "_SCALER_SETTING" not in text
+    roles = re.findall(r":(?:class|meth|func|attr|mod|data|exc|obj):`?\w", text)
+    assert roles == [], f"Sphinx roles printed as text: {roles[:10]}"
+    assert "init_scale=the preset's (torch: 2.0**16)" in text
+    assert "axis_name=the scaler's axis_name" in text
+    links = set(re.findall(r'class="autorefs autorefs-internal"[^>]*href="([^"]+)"', page))
+    assert {"#ampscale.Scaler.unscale", "#ampscale.ScaleAtFloorError", "#ampscale.masked_add_"} <= links
