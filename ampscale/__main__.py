@@ -7,7 +7,11 @@ import sys
 
 __all__ = ["USAGE", "info", "main"]
 
-USAGE = """usage: python -m ampscale <command> [options]
+USAGE = """ampscale: dynamic loss scaling for mixed-precision (float16) training, on NumPy, CuPy,
+JAX and PyTorch: scale the loss, unscale and check the gradients, skip the steps that
+overflowed, and adjust the scale (the policy of torch.amp.GradScaler, or of another system).
+
+usage: python -m ampscale <command> [options]
        python -m ampscale --version
 
 commands:

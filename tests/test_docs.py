@@ -271,3 +271,30 @@ def test_the_api_reference_shows_defaults_and_links_not_source_markup(site: path
     assert "axis_name=the scaler's axis_name" in text
     links = set(re.findall(r'class="autorefs autorefs-internal"[^>]*href="([^"]+)"', page))
     assert {"#ampscale.Scaler.unscale", "#ampscale.ScaleAtFloorError", "#ampscale.masked_add_"} <= links
+
+
+def test_the_home_page_shows_the_demos_picture(site: pathlib.Path) -> None:
+    """The home page promises "one picture": the demo's plot, committed and built into the site."""
+    picture = ROOT / "docs" / "img" / "demo.png"
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size < 250_000  # a page image, not a print-resolution file
+    assert "](img/demo.png)" in (ROOT / "docs" / "index.md").read_text()
+    home = (site / "index.html").read_text()
+    assert re.search(r'<img[^>]+src="img/demo\.png"', home)
+    assert (site / "img" / "demo.png").read_bytes() == picture.read_bytes()
+
+
+def test_help_and_home_page_say_what_ampscale_does_and_the_design_page_keeps_the_patent() -> None:
+    import ampscale
+    from ampscale.__main__ import USAGE
+
+    home = (ROOT / "docs" / "index.md").read_text()
+    for name, text in (("help(ampscale)", ampscale.__doc__ or ""), ("--help", USAGE), ("docs/index.md", home)):
+        opening = text.split("\n\n")[:2]
+        assert "loss scaling" in " ".join(opening), f"{name} does not open with what ampscale does"
+        assert "patent" not in text.lower(), f"{name} speaks of the patent; the design page does"
+    design = (ROOT / "docs" / "design.md").read_text()
+    interfaces = design.split("## The three interfaces", 1)[1].split("\n## ", 1)[0]
+    assert "CN115018072A" in interfaces
+    for call in ("ampscale.create_scaler(...)", "scaler.scale(loss)", "scaler.update(...)", "scaler.step(...)"):
+        assert call in interfaces
