@@ -298,3 +298,36 @@ def test_help_and_home_page_say_what_ampscale_does_and_the_design_page_keeps_the
     assert "CN115018072A" in interfaces
     for call in ("ampscale.create_scaler(...)", "scaler.scale(loss)", "scaler.update(...)", "scaler.step(...)"):
         assert call in interfaces
+
+
+#: the longest code line the docs show: it fits a normal window (and a 88-column editor)
+CODE_WIDTH = 88
+#: every page the site shows code from (the benchmarks page includes benchmarks/README.md)
+CODE_PAGES = [*PAGES, "benchmarks/README.md"]
+
+
+def long_code_lines(page: str, root: pathlib.Path = ROOT) -> list[str]:
+    """``page:line (length)`` for each line of a fenced code block longer than ``CODE_WIDTH``."""
+    text = (root / page).read_text()
+    found = []
+    for match in re.finditer(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+        first = text[: match.start(1)].count("\n") + 1
+        for offset, line in enumerate(match.group(1).splitlines()):
+            if len(line) > CODE_WIDTH:
+                found.append(f"{page}:{first + offset} ({len(line)})")
+    return found
+
+
+def test_no_code_line_in_the_docs_is_clipped() -> None:
+    assert [line for page in CODE_PAGES for line in long_code_lines(page)] == []
+
+
+def test_the_width_rule_finds_long_lines(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "page.md").write_text("x" * 200 + "\n\n```bash\nok\n" + "y" * 89 + "\n```\n")
+    assert long_code_lines("page.md", tmp_path) == ["page.md:5 (89)"]
+
+
+def test_code_blocks_wrap_rather_than_clip_in_the_site(site: pathlib.Path) -> None:
+    css = (ROOT / "docs" / "stylesheets" / "code.css").read_text()
+    assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap", css)
+    assert 'href="stylesheets/code.css"' in (site / "index.html").read_text()
