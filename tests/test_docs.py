@@ -331,3 +331,16 @@ def test_code_blocks_wrap_rather_than_clip_in_the_site(site: pathlib.Path) -> No
     css = (ROOT / "docs" / "stylesheets" / "code.css").read_text()
     assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap", css)
     assert 'href="stylesheets/code.css"' in (site / "index.html").read_text()
+
+
+def test_the_benchmarks_page_opens_with_a_summary_and_the_chart_then_the_rows(site: pathlib.Path) -> None:
+    page = (site / "benchmarks" / "index.html").read_text()
+    article = page.split("<article", 1)[1]
+    assert len(re.findall(r"<h1", article)) == 1
+    toc = page.split('aria-label="Table of contents"', 1)[1].split("</nav>\n", 1)[0]
+    entries = re.findall(r'href="#([\w-]+)"', toc)
+    assert entries[:3] == ["summary", "how-it-is-measured", "cpu-the-projects-2-core-machine"], entries
+    chart = article.find('src="../img/benchmarks.png"')
+    rows = article.find('id="all-rows"')
+    assert 0 < article.find('id="summary"') < chart < rows
+    assert (site / "img" / "benchmarks.png").read_bytes() == (ROOT / "docs" / "img" / "benchmarks.png").read_bytes()
