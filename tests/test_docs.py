@@ -344,3 +344,16 @@ def test_the_benchmarks_page_opens_with_a_summary_and_the_chart_then_the_rows(si
     rows = article.find('id="all-rows"')
     assert 0 < article.find('id="summary"') < chart < rows
     assert (site / "img" / "benchmarks.png").read_bytes() == (ROOT / "docs" / "img" / "benchmarks.png").read_bytes()
+
+
+def test_the_readmes_test_command_names_libsimde_and_gives_cpu_times() -> None:
+    section = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    assert "libsimde-dev" in section
+    assert "AVX-512" in section.split("libsimde-dev", 1)[1]  # and what it adds
+    skip_reason = (ROOT / "tests" / "test_native_kernels.py").read_text()
+    assert "apt-get install libsimde-dev" in skip_reason  # the skips say so too
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert table[0].rstrip(" |").endswith("CPU time of the run")
+    for row in table[2:]:
+        cpu_time = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert re.fullmatch(r"(\d+ min )?\d+ s", cpu_time), f"no CPU time measured: {row}"
