@@ -1,14 +1,20 @@
-"""ampscale: framework-agnostic dynamic loss scaling for mixed-precision training.
+"""ampscale: dynamic loss scaling for mixed-precision training, on NumPy, CuPy, JAX and PyTorch.
 
-One state machine (:mod:`ampscale._core`), written once against the array API, drives fused
-backends for NumPy, CuPy, JAX and PyTorch. The three interfaces of patent CN115018072A::
+It keeps float16 training from losing its small gradients: the loss is multiplied by a scale
+before the backward pass, the gradients are divided back and checked for inf and nan in one
+fused pass, a step that overflowed is skipped, and the scale grows or backs off as training
+goes, with the exact policy of torch (the default), jmp, flax, Keras, Megatron, DeepSpeed,
+apex, Paddle, MindSpore or tf.keras::
 
     import ampscale
 
-    scaler = ampscale.create_scaler(preset="torch")            # creation
-    scaled_loss = scaler.scale(loss)                           # scale
-    grads, finite = scaler.unscale(grads, loss=scaled_loss)    # optimizer iteration ...
-    scaler = scaler.update(finite)                             # ... (or scaler.step(...))
+    scaler = ampscale.create_scaler(preset="torch")
+    scaled_loss = scaler.scale(loss)                           # backward from this
+    grads, finite = scaler.unscale(grads, loss=scaled_loss)    # unscaled, and checked
+    scaler = scaler.update(finite)                             # the next scaler (or step())
+
+One state machine (:mod:`ampscale._core`), written once against the array API, drives every
+backend.
 
 ``import ampscale`` imports no framework; backends load when first used. Two modules add
 framework helpers: ``ampscale.torch`` (a drop-in ``GradScaler``; needs PyTorch) and

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-__all__ = ["USAGE", "info", "main"]
+__all__ = ["CLOSED_PIPE", "USAGE", "info", "main"]
 
-USAGE = """usage: python -m ampscale <command> [options]
+USAGE = """ampscale: dynamic loss scaling for mixed-precision (float16) training, on NumPy, CuPy,
+JAX and PyTorch: scale the loss, unscale and check the gradients, skip the steps that
+overflowed, and adjust the scale (the policy of torch.amp.GradScaler, or of another system).
+
+usage: python -m ampscale <command> [options]
        python -m ampscale --version
 
 commands:
@@ -32,9 +37,31 @@ def info(args: list[str] | None = None) -> int:
     return 0
 
 
+#: the exit status of a command whose reader closed the pipe: a shell's for a process that
+#: SIGPIPE ended (128 + 13), as ``yes | head -1`` reports for ``yes``
+CLOSED_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command in ``argv`` (default: ``sys.argv[1:]``) and return its exit status."""
-    args = sys.argv[1:] if argv is None else argv
+    """Run the command in ``argv`` (default: ``sys.argv[1:]``) and return its exit status.
+
+    Output piped to a reader that stops early (``python -m ampscale info | head -1``) ends the
+    command quietly, as Unix tools end, with status :data:`CLOSED_PIPE` and no traceback.
+    """
+    try:
+        status = _run(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe then raises where it is caught
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, which would fail the same way and print
+        # "Exception ignored ...": what is left to write goes nowhere instead.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return CLOSED_PIPE
+    return status
+
+
+def _run(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 import struct
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Final, Literal, TypeAlias
@@ -324,18 +325,34 @@ def _is_real(value: Any) -> bool:
 REAL_SETTINGS: Final = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 INT_SETTINGS: Final = ("growth_interval", "hysteresis", "floor_patience", "interval_offset", "first_growth_delay")
 _DIGITS_SHOWN: Final = 24
+_CHARACTERS_SHOWN: Final = 200
+_LONG_NUMBER: Final = re.compile(rf"\d{{{_DIGITS_SHOWN + 1},}}")
 
 
 def shown(value: Any) -> str:
-    """``repr(value)`` for an error message, with an integer of hundreds of digits abbreviated."""
+    """``repr(value)`` for an error or warning message, abbreviated where it would be huge.
+
+    Every message that quotes a value the user gave (an argument, a loaded checkpoint's entry)
+    formats it through here: a JSON checkpoint may hold an integer of any length, whose plain
+    ``repr`` is thousands of digits, or raises ``ValueError`` beyond Python's 4300-digit limit
+    for converting integers to text; that ``ValueError`` would replace the error being raised.
+    """
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         try:
             text = str(int(value))
         except ValueError:  # more digits than Python converts to text (sys.set_int_max_str_digits)
-            return f"an integer of about {int(value).bit_length() * 0.30103:.0f} digits"
+            sign = "a negative " if value < 0 else "an "
+            return f"{sign}integer of about {abs(int(value)).bit_length() * 0.30103:.0f} digits"
         if len(text.lstrip("-")) > _DIGITS_SHOWN:
             return f"{text[:12]}...{text[-4:]} (an integer of {len(text.lstrip('-'))} digits)"
-    return repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # a container of such an integer (a list, a dict)
+        return f"a {type(value).__name__} holding an integer too long to print"
+    text = _LONG_NUMBER.sub(lambda m: f"{m[0][:12]}...{m[0][-4:]} ({len(m[0])} digits)", text)  # inside a list
+    if len(text) > _CHARACTERS_SHOWN:
+        return f"{text[: _CHARACTERS_SHOWN - 40]}... ({type(value).__name__}, {len(text)} characters)"
+    return text
 
 
 def plain_number(value: Any, integral: bool) -> Any:

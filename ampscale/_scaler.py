@@ -17,7 +17,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
+from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, InPlaceUpdateError, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
@@ -295,6 +295,7 @@ class Scaler:
                 fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
                 if fused is not None:
                     new_leaves, finite, loss_finite = fused
+                    finite = backend.own_flag(finite)
                     _set_flags(self, (finite, None))  # see update()
                     return backend.unflatten(spec, new_leaves), finite, loss_finite, backend
             inv = backend.inverse_of(state) if config.scales else None
@@ -322,6 +323,7 @@ class Scaler:
                 tree = (tree, 0.0 if fraction is None else fraction)
             if loss_finite is not None:
                 finite = backend.logical_and(finite, loss_finite)
+            finite = backend.own_flag(finite)
             _set_flags(self, (finite, None))  # see update()
             return tree, finite, loss_finite, backend
         except Exception as exc:  # an error naming leaves by index: name them by path too
@@ -377,7 +379,9 @@ class Scaler:
         if config.on_floor != "ignore":
             if backend.is_tracing(floor_event):
                 assert new_fields is not None
-                backend.host_callback(self._react_to_floor_traced, floor_event, *new_fields)  # type: ignore[attr-defined]
+                backend.host_callback(  # type: ignore[attr-defined]
+                    self._react_to_floor_traced, floor_event, *new_fields, setting=f"on_floor={config.on_floor!r}"
+                )
             elif bool(floor_event):  # an explicit, documented host read
                 self._react_to_floor(backend.read_state(new_state))
         nxt = Scaler(config, new_state, backend, self._next_floor_hint(self._floor_hint()))
@@ -563,8 +567,10 @@ class Scaler:
     def state_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable, versioned dict of the settings and state (a host read).
 
-        It also carries ``torch.amp.GradScaler``'s five keys, so ``torch.amp.GradScaler`` can
-        load it. See :mod:`ampscale._state_dict` for the format.
+        It holds ``torch.amp.GradScaler``'s five keys at the top level, so
+        ``torch.amp.GradScaler`` can load it, and everything else under ``"ampscale"``: the
+        format ``version`` (``ampscale.FORMAT_VERSION``), the ``preset``, every setting and
+        every state field.
         """
         from ampscale._state_dict import to_state_dict
 
@@ -734,7 +740,7 @@ def _check_loss_is_array(loss: Any) -> None:
     if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
         raise TypeError(
             f"loss must be an array of your framework (the value your backward pass starts from), "
-            f"not a Python {type(loss).__name__} ({loss!r}): for example np.float32(loss), "
+            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
             "torch.tensor(loss) or jnp.float32(loss)"
         )
 
@@ -746,7 +752,7 @@ def _check_flag(flag: Any, name: str) -> None:
     dtype = getattr(flag, "dtype", None)
     shape = getattr(flag, "shape", None)
     if dtype is None or shape is None:
-        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {flag!r}")
+        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
     if tuple(shape) != ():
         raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
     kind = getattr(dtype, "kind", None)
@@ -970,9 +976,13 @@ def masked_add_(finite: Any, targets: Any, updates: Any, *, alpha: float = 1.0) 
         array([0., 0., 0.], dtype=float32)
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {alpha!r}")
+        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {shown(alpha)}")
+    try:
+        factor = float(alpha)
+    except OverflowError:
+        raise ValueError(f"alpha must be a real number within the float range; got {shown(alpha)}") from None
     backend, target_leaves, update_leaves = _masked_arguments(finite, targets, updates, "updates")
-    backend.masked_add_(finite, target_leaves, update_leaves, float(alpha))
+    backend.masked_add_(finite, target_leaves, update_leaves, factor)
     return targets
 
 

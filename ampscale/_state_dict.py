@@ -193,8 +193,9 @@ def _warn_foreign_rules(system: str, preset: str, config: ScalerConfig, stacklev
     differ = [f"{name}={ours[name]!r} ({system}: {theirs[name]!r})" for name in _RULES if ours[name] != theirs[name]]
     if not differ:
         return
+    article = "an" if system[0].lower() in "aeiou" else "a"
     warnings.warn(
-        f"loading a {system} state dict into a scaler whose rules differ from {system}'s: {', '.join(differ)}. "
+        f"loading {article} {system} state dict into a scaler whose rules differ from {system}'s: {', '.join(differ)}. "
         f"The scale and the counters go on under this scaler's rules (preset {config.preset!r}), not "
         f"{system}'s; create the scaler with preset={preset!r} to continue {system}'s trajectory exactly",
         AmpscaleWarning,
@@ -219,7 +220,7 @@ def _from_torch(state_dict: dict[str, Any], current: ScalerConfig) -> tuple[Scal
     interval = torch_growth_interval(given, current.interval_offset)
     if interval != given:
         warnings.warn(
-            f"growth_interval={given!r}: the scale never grows (the good-step counter never equals it)",
+            f"growth_interval={shown(given)}: the scale never grows (the good-step counter never equals it)",
             AmpscaleWarning,
             stacklevel=4,
         )
@@ -274,7 +275,7 @@ def _from_ampscale(payload: Any, current: ScalerConfig) -> tuple[ScalerConfig, S
         raise _bad("ampscale.version", version, "a positive integer")
     if version > FORMAT_VERSION:
         raise StateDictError(
-            f"state dict has format version {version}, newer than the {FORMAT_VERSION} this "
+            f"state dict has format version {shown(version)}, newer than the {FORMAT_VERSION} this "
             "ampscale reads; upgrade ampscale to load it"
         )
     unknown = sorted(map(repr, set(payload) - {"version", "preset", "settings", "state"}))
@@ -364,7 +365,7 @@ def _check_torch_keys(state_dict: dict[str, Any], config: ScalerConfig, values: 
             given = torch_growth_interval(given, config.interval_offset)
         if key in state_dict and not _same(given, written[key]):
             raise StateDictError(
-                f"state dict key {key!r} ({state_dict[key]!r}) disagrees with the 'ampscale' entry, which "
+                f"state dict key {key!r} ({shown(state_dict[key])}) disagrees with the 'ampscale' entry, which "
                 f"says {written[key]!r}: edit both, or remove the top-level key"
             )
 

@@ -27,6 +27,7 @@ from ampscale._config import (
     ScalerConfig,
     make_config,
     plain_number,
+    shown,
     torch_growth_interval,
 )
 from ampscale._core import ScalerState, initial_values
@@ -321,7 +322,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         stored = torch_growth_interval(value, interval_offset)
         if stored == NEVER_GROWS and stored != value:
             warnings.warn(
-                f"growth_interval={value!r}: the scale never grows (the good-step counter never equals it)",
+                f"growth_interval={shown(value)}: the scale never grows (the good-step counter never equals it)",
                 AmpscaleWarning,
                 stacklevel=4,
             )
@@ -1023,7 +1024,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         elif isinstance(new_scale, bool) or not isinstance(new_scale, numbers.Real):
             raise TypeError(
                 "new_scale must be a float (or an int) or a 1-element tensor with requires_grad=False; got "
-                f"{type(new_scale).__name__} {new_scale!r}"
+                f"{type(new_scale).__name__} {shown(new_scale)}"
             )
         else:
             value = new_scale

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import ampscale
+from ampscale._config import shown
 from ampscale._info import backend_info, missing_framework
 
 __all__ = ["RunResult", "main", "run_demo", "train"]
@@ -258,7 +259,7 @@ def train(
 ) -> RunResult:
     """Train the student in ``mode`` (one of :data:`MODES`) and record the loss at every step."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        raise ValueError(f"mode must be one of {MODES}; got {shown(mode)}")
     ar = arithmetic_for(backend)
     xp = ar.xp
     teacher, inputs, targets = teacher_and_data(seed)

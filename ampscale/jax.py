@@ -58,7 +58,7 @@ try:
 except ModuleNotFoundError as exc:  # say what to install, not only what is missing
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config
+from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config, shown
 from ampscale._core import INT_FIELDS, ScalerState, initial_values, transition
 from ampscale._errors import ScaleAtFloorError
 from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
@@ -331,7 +331,7 @@ class DynamicScale:
                 "ampscale.create_scaler(preset='flax', ...) with ampscale.jax.value_and_grad"
             )
         if not isinstance(check_loss, bool):
-            raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
+            raise TypeError(f"check_loss must be True or False; got {shown(check_loss)}")
         known = _check_scale(scale)
         _check_minimum_scale(minimum_scale)
         _check_fin_steps(fin_steps)
@@ -428,7 +428,7 @@ class DynamicScale:
             _check_fin_steps(changes["fin_steps"])
         check_loss = changes.get("check_loss", self._check_loss)
         if not isinstance(check_loss, bool):
-            raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
+            raise TypeError(f"check_loss must be True or False; got {shown(check_loss)}")
         config = self._config.replace(**settings) if settings else self._config
         out = object.__new__(DynamicScale)
         _set(out, config, changes.get("fin_steps", self._fin_steps), changes.get("scale", self._scale), check_loss)
@@ -520,21 +520,21 @@ def _check_scale(scale: Any) -> float | None:
     if known is not None and not (
         math.isfinite(known) and known > 0 and _round_to(known, "float32") not in (0.0, math.inf)
     ):
-        raise ValueError(f"scale must be a finite number > 0 inside the float32 range; got {scale!r}")
+        raise ValueError(f"scale must be a finite number > 0 inside the float32 range; got {shown(scale)}")
     return known
 
 
 def _check_minimum_scale(minimum_scale: Any) -> None:
     if minimum_scale is not None and not (
-        isinstance(minimum_scale, numbers.Real) and math.isfinite(minimum_scale) and float(minimum_scale) >= 0
+        isinstance(minimum_scale, numbers.Real) and math.isfinite(_float(minimum_scale)) and float(minimum_scale) >= 0
     ):
-        raise ValueError(f"minimum_scale must be None or a finite number >= 0; got {minimum_scale!r}")
+        raise ValueError(f"minimum_scale must be None or a finite number >= 0; got {shown(minimum_scale)}")
 
 
 def _check_fin_steps(fin_steps: Any) -> None:
     steps = _concrete(fin_steps, "fin_steps")
-    if steps is not None and not (steps == int(steps) and INT32_MIN < steps < INT32_MAX):
-        raise ValueError(f"fin_steps must be an integer in the int32 range; got {fin_steps!r}")
+    if steps is not None and not (math.isfinite(steps) and steps == int(steps) and INT32_MIN < steps < INT32_MAX):
+        raise ValueError(f"fin_steps must be an integer in the int32 range; got {shown(fin_steps)}")
 
 
 def _concrete(value: Any, name: str) -> float | None:
@@ -543,8 +543,16 @@ def _concrete(value: Any, name: str) -> float | None:
         return None
     numeric = isinstance(value, numbers.Real) or (hasattr(value, "dtype") and np.shape(value) == ())
     if isinstance(value, bool) or not numeric:
-        raise TypeError(f"{name} must be a number or a 0-d array; got {type(value).__name__} {value!r}")
-    return float(value)
+        raise TypeError(f"{name} must be a number or a 0-d array; got {type(value).__name__} {shown(value)}")
+    return _float(value)
+
+
+def _float(value: Any) -> float:
+    """``float(value)``; an integer too large for a float is +-inf, which every check here refuses."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _register_dynamic_scale() -> None:
@@ -817,12 +825,12 @@ LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP0
 
 def _check_jmp_settings(period: Any, factor: Any) -> None:
     real = isinstance(period, numbers.Real) and not isinstance(period, bool)
-    if not real or float(period) != int(float(period)) or float(period) < 1:
-        raise ValueError(f"period must be a whole number >= 1 (finite steps between growths); got {period!r}")
+    if not real or not math.isfinite(_float(period)) or float(period) != int(float(period)) or float(period) < 1:
+        raise ValueError(f"period must be a whole number >= 1 (finite steps between growths); got {shown(period)}")
     real = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if not real or not (math.isfinite(float(factor)) and float(factor) > 1):
+    if not real or not (math.isfinite(_float(factor)) and float(factor) > 1):
         raise ValueError(
-            f"factor must be a finite number > 1 (the growth factor; backoff divides by it); got {factor!r}"
+            f"factor must be a finite number > 1 (the growth factor; backoff divides by it); got {shown(factor)}"
         )
 
 

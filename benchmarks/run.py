@@ -502,6 +502,64 @@ def report(results: list[Result], as_markdown: bool) -> str:
     return "\n".join(lines)
 
 
+#: the project's CPU targets that compare rows of one run: (backend, workload, row, against, at least).
+#: ``against`` is another row, as ``"backend: name"``, or ``"L"``; "at least" is the ratio of
+#: the other's time to the row's (2.0: twice as fast), or for ``"us"`` the most microseconds
+TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
+    ("numpy", "W1", "ampscale numpy", "L", 0.80),
+    ("numpy", "W1h", "ampscale numpy", "L", 0.30),
+    ("numpy", "W2", "ampscale numpy", "L", 0.50),
+    ("numpy", "W0", "ampscale numpy", "us", 20.0),
+    ("torch", "W1", "ampscale torch (unscale + update)", "torch: torch.amp.GradScaler", 1.0),
+    ("torch", "W2", "ampscale torch (unscale + update)", "torch: torch.amp.GradScaler", 2.0),
+    ("torch", "W2", "ampscale torch (unscale + update)", "L", 0.60),
+    ("torch", "W1h", "ampscale torch (unscale + update)", "numpy: ampscale numpy", 1.0),
+    ("torch", "W0", "ampscale torch (unscale + update)", "us", 15.0),
+    ("jax", "W1", "ampscale jax (jit, donated)", "L", 0.60),
+    ("jax", "W2", "ampscale jax (jit, donated)", "jax: jmp (jit, donated)", 2.5),
+    (
+        "jax",
+        "W2",
+        "ampscale jax in a jitted loop (4 steps per call)",
+        "jax: jmp in a jitted loop (4 steps per call)",
+        3.0,
+    ),
+    ("jax", "W0", "ampscale jax (jit, donated)", "us", 50.0),
+)
+
+
+def targets_report(results: list[Result]) -> list[str]:
+    """One line per target whose rows this run measured: the ratio, the target, met or not."""
+    cpu = {(r.backend, r.workload, r.name): r for r in results if r.device == "cpu"}
+    limits = {r.workload: r for r in results if r.limit and r.device == "cpu"}
+    lines = []
+    for backend, workload, name, against, target in TARGETS:
+        row = cpu.get((backend, workload, name))
+        if row is None:
+            continue
+        if against == "us":
+            value = row.seconds * 1e6
+            met = value <= target
+            lines.append(f"{backend} {workload}: {name} {value:.1f} us (target <= {target:g} us): {_met(met)}")
+            continue
+        if against == "L":
+            other, what = limits.get(workload), "L"
+        else:
+            other_backend, other_name = against.split(": ", 1)
+            other, what = cpu.get((other_backend, workload, other_name)), other_name
+        if other is None:
+            continue
+        ratio = other.seconds / row.seconds
+        shown = f"{ratio:.2f} L" if what == "L" else f"{ratio:.2f}x {what}"
+        goal = f"{target:g} L" if what == "L" else f"{target:g}x"
+        lines.append(f"{backend} {workload}: {name} {shown} (target >= {goal}): {_met(ratio >= target)}")
+    return lines
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
 def main(argv: list[str] | None = None) -> int:
     _register_optional()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -554,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
     print(report(results, args.markdown))
+    lines = targets_report(results)
+    if lines:
+        print("\nTargets, in this run:" if not args.markdown else "\nTargets, in this run:\n")
+        print("\n".join(f"- {line}" if args.markdown else f"  {line}" for line in lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=2)

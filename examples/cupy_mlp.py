@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.numpy:
         xp: Any = np
     else:
+        cupy = ampscale.info(["cupy"])["backends"]["cupy"]
+        if not cupy["usable"]:  # one line that says what to do, as the demo does, not a traceback
+            raise SystemExit(
+                f"cupy_mlp.py cannot run on CuPy here: {cupy['problem']}; fix: {cupy['fix']}; "
+                "or run it on the CPU: python examples/cupy_mlp.py --numpy"
+            )
         import cupy as xp
 
     rng = np.random.default_rng(0)

@@ -13,9 +13,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
-import jax.numpy as jnp
-import optax
+try:
+    import jax
+    import jax.numpy as jnp
+    import optax
+except ModuleNotFoundError as exc:  # one line that says what to do, as the demo does, not a traceback
+    raise SystemExit(
+        f"jax_optax_mlp.py needs {exc.name}, which is not installed: pip install 'ampscale[jax]'"
+    ) from None
 
 import ampscale
 import ampscale.jax as ajax

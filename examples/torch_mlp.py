@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError:  # one line that says what to do, as the demo does, not a traceback
+    raise SystemExit("torch_mlp.py needs PyTorch, which is not installed: pip install 'ampscale[torch]'") from None
 
 import ampscale.torch as amp_torch
 

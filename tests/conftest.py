@@ -6,10 +6,11 @@ marked ``gpu`` and run by ``scripts/gpu-check.sh``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,26 @@ class Framework:
 
     def __repr__(self) -> str:
         return self.name
+
+
+@contextlib.contextmanager
+def without_native_numpy_kernel(active: bool = True) -> Iterator[None]:
+    """The NumPy backend as an install without a C compiler has it: the pure-NumPy path only.
+
+    ``active=False`` changes nothing (for tests parametrized over both). The once-only
+    ``PerformanceWarning`` of that path is marked as shown: it is tested on its own.
+    """
+    from ampscale.backends import numpy as backend
+
+    if not active:
+        yield
+        return
+    saved = backend.NATIVE, backend._warned_no_native
+    backend.NATIVE, backend._warned_no_native = False, True
+    try:
+        yield
+    finally:
+        backend.NATIVE, backend._warned_no_native = saved
 
 
 def _np_array(values: Any, dtype: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import math
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -94,3 +95,66 @@ def test_per_call_rows_compare_each_call_with_torchs(tmp_path: pathlib.Path) -> 
         ]
         assert [row["anchor"] for row in group if row["name"].startswith("torch")] == [True]
         assert all(math.isfinite(row["seconds"]) and 0 < row["seconds"] < 0.1 for row in group)
+
+
+def _run_module() -> types.ModuleType:
+    """``benchmarks/run.py``, imported as its row modules import it."""
+    sys.path.insert(0, str(RUN.parent))
+    try:
+        import run
+    finally:
+        sys.path.remove(str(RUN.parent))
+    return run
+
+
+def test_the_targets_compare_rows_of_one_run_and_say_met_or_not() -> None:
+    run = _run_module()
+    result = run.Result
+    rows = [
+        result("limit", "W2", "L: torch mul_ (2 threads)", 1.0e-3, 65_536_000, limit=True),
+        result("torch", "W2", "ampscale torch (unscale + update)", 1.5e-3, 65_536_000),
+        result("torch", "W2", "torch.amp.GradScaler", 3.3e-3, 65_536_000, anchor=True),
+        result("numpy", "W1h", "ampscale numpy", 14e-3, 497_759_232),
+        result("torch", "W1h", "ampscale torch (unscale + update)", 12e-3, 497_759_232),
+        result("numpy", "W0", "ampscale numpy", 25e-6, 8192),
+    ]
+    assert run.targets_report(rows) == [
+        "numpy W0: ampscale numpy 25.0 us (target <= 20 us): NOT met",
+        "torch W2: ampscale torch (unscale + update) 2.20x torch.amp.GradScaler (target >= 2x): met",
+        "torch W2: ampscale torch (unscale + update) 0.67 L (target >= 0.6 L): met",
+        "torch W1h: ampscale torch (unscale + update) 1.17x ampscale numpy (target >= 1x): met",
+    ]
+
+
+def test_the_chart_is_drawn_from_a_runs_json(tmp_path: pathlib.Path) -> None:
+    chart = RUN.parent / "chart.py"
+    out = tmp_path / "chart.png"
+    done = subprocess.run(
+        [sys.executable, str(chart), str(RUN.parent / "cpu-results.json"), str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "torch.amp.GradScaler" in done.stdout
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    done = subprocess.run([sys.executable, str(chart), str(empty), str(out)], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "no CPU rows of W1, W1h or W2" in done.stderr
+
+
+def test_the_charts_json_holds_the_rows_the_page_shows() -> None:
+    """benchmarks/cpu-results.json and the page's table are the same run: a new run replaces both."""
+    rows = json.loads((RUN.parent / "cpu-results.json").read_text())
+    page = (RUN.parent / "README.md").read_text()
+    table = page.split("### All rows", 1)[1].split("\n\n", 2)[1]
+    shown = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert len(shown) == len(rows)
+    for cells, row in zip(shown, rows, strict=True):
+        backend, workload, name, time = cells[:4]
+        assert (backend, workload, name.removesuffix(" (anchor)")) == (row["backend"], row["workload"], row["name"])
+        assert name.endswith(" (anchor)") == row["anchor"]
+        seconds = float(time.removesuffix(" us")) * (1e-6 if time.endswith(" us") else 1e-3)
+        assert math.isclose(seconds, row["seconds"], rel_tol=1e-9), cells

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +49,23 @@ def test_cupy_mlp_on_the_gpu() -> None:
         pytest.skip("no CUDA device")
     result = load("cupy_mlp").main(["--steps", "200"])
     assert result["accuracy"] > 0.9
+
+
+@pytest.mark.parametrize(
+    ("example", "framework", "says"),
+    [
+        ("cupy_mlp", "cupy", "CuPy is not installed; fix: pip install 'ampscale[cupy]'"),
+        ("torch_mlp", "torch", "needs PyTorch, which is not installed: pip install 'ampscale[torch]'"),
+        ("jax_optax_mlp", "optax", "needs optax, which is not installed: pip install 'ampscale[jax]'"),
+    ],
+)
+def test_an_example_without_its_framework_says_what_to_install_in_one_line(
+    example: str, framework: str, says: str
+) -> None:
+    path = str(EXAMPLES / f"{example}.py")
+    hide = f"import runpy, sys\nsys.modules[{framework!r}] = None  # as if not installed\n"
+    code = hide + f"sys.argv = [{path!r}]\nrunpy.run_path({path!r}, run_name='__main__')\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+    assert says in done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import types
@@ -140,3 +141,26 @@ def test_outcome_reason_is_a_code_on_the_device_and_a_name_on_the_host() -> None
         _, _, scaler = scaler.step(lambda p, g, s: (p, s), [], [grad], (), loss=loss)
         assert int(scaler.outcome.reason) == code
         assert scaler.outcome.to_dict()["reason"] == name == ampscale.StepOutcome.reason_name(code)
+
+
+@pytest.mark.parametrize("args", [["info"], ["--help"], ["info", "--json"]], ids=" ".join)
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(args: list[str]) -> None:
+    """``python -m ampscale info | head -1``: the reader has gone when the command writes; it ends
+    as Unix tools do (the status a shell gives a process SIGPIPE ended), with no traceback."""
+    from ampscale.__main__ import CLOSED_PIPE
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: every write fails
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ampscale", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == CLOSED_PIPE

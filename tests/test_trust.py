@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import ampscale
 from ampscale._config import FLOAT32_MAX, FLOAT32_TINY, PRESETS
-from tests.conftest import FRAMEWORKS, Framework
+from tests.conftest import FRAMEWORKS, Framework, without_native_numpy_kernel
 
 CPU = [f for f in FRAMEWORKS if not f.gpu]
 IN_PLACE = [f for f in CPU if f.in_place]  # numpy, torch: the backends that write gradients
@@ -120,8 +120,19 @@ def _views(fw: Framework, base: Any, spec: tuple[int, int, int]) -> Any:
     return base[start:stop:step]
 
 
-@pytest.mark.parametrize("fw", IN_PLACE, ids=[f.name for f in IN_PLACE])
-def test_aliasing_table(fw: Framework) -> None:
+#: the in-place backends, and NumPy without its native kernel (which finds aliasing in C itself)
+ALIASING = [pytest.param(f, True, id=f.name) for f in IN_PLACE] + [
+    pytest.param(f, False, id=f"{f.name}-without-kernel") for f in IN_PLACE if f.name == "numpy"
+]
+
+
+@pytest.mark.parametrize(("fw", "native"), ALIASING)
+def test_aliasing_table(fw: Framework, native: bool) -> None:
+    with without_native_numpy_kernel(not native):
+        _aliasing_table(fw)
+
+
+def _aliasing_table(fw: Framework) -> None:
     scaler = ampscale.create_scaler(backend=fw.backend, init_scale=4.0)
 
     def fresh() -> Any:
@@ -156,12 +167,17 @@ def test_aliasing_table(fw: Framework) -> None:
         assert _bits(fw, g) == before, name
 
 
-@pytest.mark.parametrize("fw", IN_PLACE, ids=[f.name for f in IN_PLACE])
+@pytest.mark.parametrize(("fw", "native"), ALIASING)
 @CHEAP
 @given(specs=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12), st.integers(1, 4)), min_size=1, max_size=5))
-def test_aliasing_property_every_element_once_or_refused_untouched(fw: Framework, specs: list) -> None:
+def test_aliasing_property_every_element_once_or_refused_untouched(fw: Framework, native: bool, specs: list) -> None:
     """Any set of slices of one buffer: either each element is unscaled exactly once, or the
     call is refused (slices that share some but not all elements) and nothing changed."""
+    with without_native_numpy_kernel(not native):
+        _every_element_once_or_refused_untouched(fw, specs)
+
+
+def _every_element_once_or_refused_untouched(fw: Framework, specs: list) -> None:
     base_values = np.arange(1, 13, dtype=np.float64)
     base = fw.array(base_values, "float32")
     sets = []

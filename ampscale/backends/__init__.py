@@ -14,6 +14,7 @@ import importlib
 import sys
 from typing import Any
 
+from ampscale._config import shown
 from ampscale.backends._base import FRAMEWORK_MODULES, Backend
 
 __all__ = ["available_backends", "backend_of", "backend_of_leaves", "get_backend"]
@@ -54,7 +55,7 @@ def get_backend(spec: Any) -> Backend:
                 return get_backend(namespace)
             raise ValueError(
                 f"backend must be one of {sorted(_ADAPTERS)}, the name of an array-API namespace "
-                f"already imported, a namespace module, or None (detect from the arrays); got {spec!r}"
+                f"already imported, a namespace module, or None (detect from the arrays); got {shown(spec)}"
             )
         return _load(spec)
     namespace_name = getattr(spec, "__name__", None)
@@ -70,7 +71,7 @@ def get_backend(spec: Any) -> Backend:
             return _generic(spec)
     raise ValueError(
         f"backend must be one of {sorted(_ADAPTERS)}, an array-API namespace, or None "
-        f"(detect from the arrays); got {spec!r}"
+        f"(detect from the arrays); got {shown(spec)}"
     )
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from ampscale import _tree
+from ampscale._config import shown
 from ampscale._core import INT_FIELDS, ScalerState, transition
 from ampscale._errors import AliasedGradientsError
 from ampscale._native.cuda._packed import PackedState
@@ -517,6 +518,11 @@ class Backend(abc.ABC):
         """Move a 0-d value to ``like``'s device (no-op for single-device backends)."""
         return value
 
+    def own_flag(self, finite: Any) -> Any:
+        """``finite`` as an object that no other step's flag is (``Scaler.update`` tells a flag
+        already counted from a new one by identity). Arrays made per call already are."""
+        return finite
+
     def as_bool(self, value: Any, like: Any = None) -> Any:
         """A 0-d bool of this backend from a Python bool or a 0-d array."""
         xp = self.namespace()
@@ -609,7 +615,9 @@ class Backend(abc.ABC):
         """Combine ``finite`` across the devices or processes of ``group`` (logical and)."""
         if group is None:
             return finite
-        raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={group!r}")
+        if callable(group):  # the user's own collective (mpi4py, ...): one flag in, one out
+            return self.as_bool(group(finite), finite)
+        raise ValueError(f"backend {self.name!r} has no cross-device agreement; got group={shown(group)}")
 
     def agree_flags(self, finite: Any, loss_finite: Any, group: Any) -> tuple[Any, Any]:
         """Both flags of a step (the gradients' and the scaled loss's) agreed across ``group``.

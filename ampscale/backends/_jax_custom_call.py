@@ -162,7 +162,8 @@ def use_custom_call(enabled: bool = True, *, in_exports: bool = False) -> Iterat
         enabled: ``False`` makes new traces use the pure-XLA path (bit for bit the same).
         in_exports: keep the custom call in ``jax.export`` artifacts too. They then need
             ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TARGET)]`` to export,
-            and :func:`register` called in every process that runs them. By default exports
+            and :func:`ampscale.backends.jax.register_custom_call` called in every process that
+            runs them. By default exports
             lower to the pure-XLA path and run anywhere.
 
     A function already traced keeps its choice (``jax.jit`` caches traces).
@@ -815,7 +816,7 @@ def _serialize_config(aux: Any) -> bytes:
     if callable(state.get("on_floor")):
         raise ValueError(
             "jax.export cannot serialize a scaler whose on_floor is a callback (a Python function "
-            "cannot be stored in an artifact); export with on_floor='ignore', 'warn' or 'raise'"
+            "cannot be stored in an artifact); export a scaler created with on_floor='ignore'"
         )
     axis = state.get("axis_name")
     if not (axis is None or isinstance(axis, (str, int))):

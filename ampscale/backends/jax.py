@@ -168,8 +168,15 @@ class JaxBackend(Backend):
     def is_tracing(self, value: Any) -> bool:
         return isinstance(value, jax.core.Tracer)
 
-    def host_callback(self, fn: Callable[..., None], *args: Any) -> None:
-        jax.debug.callback(fn, *args)
+    def host_callback(self, fn: Callable[..., None], *args: Any, setting: str = "") -> None:
+        """Call ``fn(*args)`` on the host when the traced computation runs.
+
+        ``setting`` names what asked for the callback (``on_floor='warn'``): a host callback
+        cannot be part of a ``jax.export`` artifact, and the export then fails naming it rather
+        than with JAX's generic refusal.
+        """
+        first, *rest = args
+        jax.debug.callback(fn, _no_export(first, setting), *rest)
 
     # -- the fused hot path -----------------------------------------------------------------
     def check_and_unscale(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any]:
@@ -546,3 +553,51 @@ _all_finite_jit = jax.jit(_all_finite)
 
 BACKEND = JaxBackend()
 adapter_ready(BACKEND)  # the scaler's layer registers its classes as pytrees (adopt_scaler)
+
+
+# -- a host callback refused in jax.export, by name ---------------------------------------------
+
+_NO_EXPORT: list[Any] = []  # the primitive, made on first use (JAX's internals load lazily)
+
+
+def _no_export(value: Any, setting: str) -> Any:
+    """``value`` unchanged, through a primitive whose lowering for ``jax.export`` raises.
+
+    JAX refuses a host callback when it exports (``NotImplementedError: serialization of
+    host_callbacks is not yet implemented``), which names neither the setting behind it nor a
+    way out. The callback's first argument passes through this identity, whose lowering knows
+    whether it is lowered for an export (XLA drops it: it costs nothing).
+    """
+    if not _NO_EXPORT:
+        _NO_EXPORT.append(_make_no_export_primitive())
+    return _NO_EXPORT[0].bind(value, setting=setting)
+
+
+def _make_no_export_primitive() -> Any:
+    from jax._src import dispatch
+    from jax.extend.core import Primitive
+    from jax.interpreters import batching, mlir
+
+    primitive = Primitive("ampscale_host_callback_guard")
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+    primitive.def_abstract_eval(lambda aval, setting: aval)
+
+    def lower(ctx: Any, value: Any, setting: str) -> list[Any]:
+        if _jax_custom_call._for_export(ctx):
+            raise ValueError(
+                f"jax.export cannot hold this scaler's {setting}: reacting when the scale is stuck at its "
+                "floor calls back into Python (a host callback), which an exported artifact cannot "
+                "contain. Export a scaler created with on_floor='ignore' (its state still counts the "
+                "overflows at the floor: scaler.state.floor_overflows), and react to that count where "
+                "the artifact runs"
+            )
+        return [value]
+
+    # Uncacheable: the same computation is lowered for jit (allowed) and for export (refused).
+    mlir.register_lowering(primitive, lower, cacheable=False)
+
+    def batch(args: Sequence[Any], dims: Sequence[int | None], setting: str) -> tuple[Any, int | None]:
+        return primitive.bind(*args, setting=setting), dims[0]
+
+    batching.primitive_batchers[primitive] = batch
+    return primitive

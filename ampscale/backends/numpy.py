@@ -138,7 +138,12 @@ class NumpyBackend(Backend):
         inv = 1.0 if inv_scale is None else float(inv_scale)
         if not NATIVE:
             _warn_no_native()
-            return self._fallback(leaves, inv, multiply, range(len(leaves)), _tiny)
+            # The kernel finds aliasing in C; without it, the same check runs here, before any
+            # leaf changes: a buffer repeated is unscaled once, overlapping ones are refused.
+            repeats = _aliases(leaves) if multiply else {}
+            unique = [i for i in range(len(leaves)) if i not in repeats]
+            out, finite_flag = self._fallback(list(leaves), inv, multiply, unique, _tiny)
+            return _share_repeats(out, leaves, repeats), finite_flag
         dtypes = [leaf.dtype for leaf in leaves]
         groups: dict[Any, list[int] | range]
         if len(set(dtypes)) == 1:
@@ -147,7 +152,7 @@ class NumpyBackend(Backend):
             groups = {}
             for index, dtype in enumerate(dtypes):
                 groups.setdefault(dtype, []).append(index)  # type: ignore[union-attr]
-        skip: set[int] = set()
+        skip: dict[int, int] = {}
         if multiply and (len(groups) > 1 or _native_kind(dtypes[0]) is None):
             # Several kernel calls: aliasing across them is found here, before any of them runs
             # (one call finds it among its own buffers, in C).
@@ -191,10 +196,11 @@ class NumpyBackend(Backend):
                     else:
                         finite &= _native.check_and_unscale(arrays, kind, inv, multiply, self.threads)
                 leftovers.extend(rest)
+        inputs = list(leaves)
         if leftovers:
             leaves, rest_finite = self._fallback(leaves, inv, multiply, leftovers, _tiny)
             finite &= bool(rest_finite)
-        return leaves, np.bool_(finite)
+        return _share_repeats(leaves, inputs, skip), np.bool_(finite)
 
     def _fallback(
         self, leaves: list[Any], inv: float, multiply: bool, indices: Any, tiny: list[int] | None = None
@@ -252,6 +258,11 @@ class NumpyBackend(Backend):
 
     def as_bool(self, value: Any, like: Any = None) -> Any:
         return np.bool_(bool(value))
+
+    def own_flag(self, finite: Any) -> Any:
+        # NumPy's booleans are two shared objects (np.True_, np.False_): a step's flag would be
+        # every step's. A 0-d array is a new object per step, and still a 0-d bool array.
+        return np.array(finite)
 
     def apply_if(
         self,
@@ -329,8 +340,20 @@ def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(dense)  # same bytes, no gaps: the same elements in another order
 
 
-def _aliases(leaves: list[Any]) -> set[int]:
-    """Indices of leaves that repeat an earlier one's elements (to unscale once), in C order.
+def _share_repeats(out: list[Any], inputs: list[Any], repeats: dict[int, int]) -> list[Any]:
+    """Each repeated leaf comes back as its first occurrence's result.
+
+    Unscaled in place, the repeat already holds the new values (the same memory); a read-only
+    leaf is unscaled into a new array, which its repeats must return too, not the old values.
+    """
+    for repeat, first in repeats.items():
+        if out[first] is not inputs[first]:
+            out[repeat] = out[first]
+    return out
+
+
+def _aliases(leaves: list[Any]) -> dict[int, int]:
+    """Leaves that repeat another one's elements (to unscale once): repeat index -> that leaf's.
 
     Raises :class:`AliasedGradientsError` when two leaves share memory in part (or as two
     dtypes, or a read-only view overlaps a writable one), or when a writable leaf's elements
@@ -344,16 +367,16 @@ def _aliases(leaves: list[Any]) -> set[int]:
             low, high = _byte_bounds(leaf)
             extents.append((low, high, index))
     if len(extents) < 2:
-        return set()
+        return {}
     extents.sort()
-    duplicates: set[int] = set()
+    duplicates: dict[int, int] = {}
     active: list[tuple[int, int, int]] = []  # extents that reach past the current start
     for low, high, index in extents:
         active = [e for e in active if e[1] > low]
         for other_low, other_high, other in active:
             a, b = leaves[other], leaves[index]
             if other_low == low and other_high == high and _same_elements(a, b):
-                duplicates.add(index)
+                duplicates[index] = other  # never itself a repeat: repeats are not kept in `active`
                 break
             if np.shares_memory(a, b):
                 raise overlap_error(min(index, other), max(index, other))

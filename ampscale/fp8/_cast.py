@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ampscale._config import shown
 from ampscale.fp8._config import FORMATS
 from ampscale.fp8._ops import framework_of
 
@@ -24,7 +25,7 @@ __all__ = ["dequantize", "fp8_dtype", "quantize", "quantize_dequantize", "tensor
 def fp8_dtype(fmt: str, framework: str) -> Any:
     """The float8 dtype of ``fmt`` (``"e4m3fn"``, ``"e5m2"``, ``"e4m3fnuz"``, ``"e5m2fnuz"``)."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}; got {fmt!r}")
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)}; got {shown(fmt)}")
     name = f"float8_{fmt}"
     if framework == "torch":
         import torch
@@ -71,7 +72,7 @@ def quantize(x: Any, scale: Any, fmt: str, divide: bool = False) -> Any:
     framework = framework_of(x)
     bound = FORMATS.get(fmt)
     if bound is None:
-        raise ValueError(f"fmt must be one of {sorted(FORMATS)}; got {fmt!r}")
+        raise ValueError(f"fmt must be one of {sorted(FORMATS)}; got {shown(fmt)}")
     wide = _float32(x, framework)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         scaled = wide / scale if divide else wide * scale

@@ -51,12 +51,14 @@ on_skipped_step      a step the loss scaler skips still ``"record"``-s its amaxe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any, Final
 
-from ampscale._config import FLOAT32_MAX, _round_to
+from ampscale._config import FLOAT32_MAX, _round_to, shown
 
 __all__ = ["FORMATS", "FP8_PRESETS", "ROLES", "Fp8Config", "Fp8Preset", "make_fp8_config"]
 
@@ -327,7 +329,15 @@ class Fp8Config:
 
 
 def _fail(setting: str, value: Any, accepted: str) -> ValueError:
-    return ValueError(f"FP8 setting {setting!r} must be {accepted}; got {value!r}")
+    return ValueError(f"FP8 setting {setting!r} must be {accepted}; got {shown(value)}")
+
+
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, or inf for an integer too large for a float (refused as out of range)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _is_int(value: Any) -> bool:
@@ -345,7 +355,7 @@ def _validate(c: Fp8Config) -> None:
         raise _fail("history_len", c.history_len, f"an integer from 1 to {MAX_HISTORY}")
     if not _is_int(c.margin) or not 0 <= c.margin <= MAX_MARGIN:
         raise _fail("margin", c.margin, f"an integer from 0 to {MAX_MARGIN} (2**-margin is then exact)")
-    if isinstance(c.eps, bool) or not isinstance(c.eps, numbers.Real) or not 0.0 <= float(c.eps) <= FLOAT32_MAX:
+    if isinstance(c.eps, bool) or not isinstance(c.eps, numbers.Real) or not 0.0 <= _as_float(c.eps) <= FLOAT32_MAX:
         raise _fail("eps", c.eps, "a finite number >= 0")
     if not isinstance(c.slots, tuple) or not c.slots:
         raise _fail("slots", c.slots, "a non-empty tuple of slot names")
@@ -404,5 +414,6 @@ def make_fp8_config(preset: str = "ampscale", slots: Any = 1, **settings: Any) -
     names, roles = normalise_slots(slots)
     values = {**FP8_PRESETS[preset].defaults, **settings}
     if isinstance(values["eps"], numbers.Real) and not isinstance(values["eps"], bool):
-        values["eps"] = float(values["eps"])
+        with contextlib.suppress(OverflowError):  # an integer beyond a float stays as given, for the message
+            values["eps"] = float(values["eps"])
     return Fp8Config(preset=preset, slots=names, roles=roles, **values)

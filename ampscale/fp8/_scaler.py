@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ampscale._config import shown
 from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of
@@ -27,7 +28,7 @@ BACKENDS = ("numpy", "jax", "torch", "cupy")
 def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) -> Fp8State:
     """The initial state of ``config`` as arrays of ``backend`` (on ``device`` for torch)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {backend!r}")
+        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {shown(backend)}")
     if backend == "jax":
         ensure_jax_pytree()
     ops = Fp8ArrayOps(backend, device=device)
@@ -81,7 +82,7 @@ class Fp8Scaler:
                 return slot
         elif isinstance(slot, str) and slot in names:
             return names.index(slot)
-        raise KeyError(f"slot must be one of {list(names)} (or a position 0 to {len(names) - 1}); got {slot!r}")
+        raise KeyError(f"slot must be one of {list(names)} (or a position 0 to {len(names) - 1}); got {shown(slot)}")
 
     def format_of(self, slot: str | int) -> str:
         """The FP8 format of ``slot``."""

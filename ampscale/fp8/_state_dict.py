@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from ampscale._config import shown
 from ampscale._errors import StateDictError
 from ampscale.fp8._config import FP8_PRESETS, SETTINGS_ORDER, Fp8Config
 from ampscale.fp8._transition import Fp8State
@@ -87,8 +88,7 @@ def to_state_dict(config: Fp8Config, state: Fp8State) -> dict[str, Any]:
 
 
 def _bad(key: str, value: Any, accepted: str) -> StateDictError:
-    shown = value if not isinstance(value, (bytes, str)) or len(value) < 80 else f"{value[:77]!r}..."
-    return StateDictError(f"FP8 state dict key {key!r} must be {accepted}; got {shown!r}")
+    return StateDictError(f"FP8 state dict key {key!r} must be {accepted}; got {shown(value)}")
 
 
 def _float(key: str, value: Any) -> np.float32:
@@ -98,7 +98,10 @@ def _float(key: str, value: Any) -> np.float32:
         except ValueError:
             raise _bad(key, value, "a float written as hex ('0x1.8p+3'), 'inf', '-inf' or 'nan'") from None
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        parsed = float(value)
+        try:
+            parsed = float(value)
+        except OverflowError:  # an integer beyond any float: not a float32 value
+            raise _bad(key, value, "a float32 value") from None
     else:
         raise _bad(key, value, "a float written as hex ('0x1.8p+3'), 'inf', '-inf' or 'nan'")
     with np.errstate(over="ignore"):
@@ -138,7 +141,7 @@ def from_state_dict(state_dict: Any, config: Fp8Config) -> Fp8State:
         raise _bad("ampscale_fp8.version", version, "a positive integer")
     if version > FP8_FORMAT_VERSION:
         raise StateDictError(
-            f"FP8 state dict has format version {version}, newer than the {FP8_FORMAT_VERSION} this "
+            f"FP8 state dict has format version {shown(version)}, newer than the {FP8_FORMAT_VERSION} this "
             "ampscale reads; upgrade ampscale to load it"
         )
     preset = payload.get("preset")
@@ -152,7 +155,7 @@ def from_state_dict(state_dict: Any, config: Fp8Config) -> Fp8State:
         raise StateDictError(f"FP8 state dict has unknown setting(s) {unknown} under 'ampscale_fp8.settings'")
     mine = config.settings()
     differ = [
-        f"{name}: saved {settings[name]!r}, this scaler {mine[name]!r}"
+        f"{name}: saved {shown(settings[name])}, this scaler {mine[name]!r}"
         for name in SETTINGS_ORDER
         if name in settings and settings[name] != mine[name]
     ]
@@ -258,7 +261,7 @@ def from_transformer_engine(
         for name, mine in (("amax_history_len", config.history_len), ("margin", config.margin)):
             theirs = getattr(recipe, name, mine)
             if theirs != mine:
-                raise StateDictError(f"TE's recipe has {name}={theirs!r}; this scaler has {mine!r}")
+                raise StateDictError(f"TE's recipe has {name}={shown(theirs)}; this scaler has {mine!r}")
     if scale.shape[0] != config.size or history.shape[1] != config.history_len:
         raise StateDictError(
             f"TE's _extra_state holds {scale.shape[0]} scales with history length {history.shape[1]}; this "
