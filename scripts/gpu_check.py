@@ -313,7 +313,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     c1 = row("cupy", "W1", ours_c)
     if t0:
         check("torch CUDA W0 <= 40 us", f"{t0['seconds'] * 1e6:.1f} us", t0["seconds"] <= 40e-6)
-        check("torch CUDA launches per step = 2", t0["launches"], t0["launches"] == 2)
+        # two while the host's bound of the scale is at least 1 (torch's kernel + the update),
+        # one while it is below 1 (ampscale's kernel alone): the rows alternate scales 16, 1/16
+        check("torch CUDA launches per step <= 2", t0["launches"], t0["launches"] <= 2)
     if t1 and f1:
         check(
             "torch CUDA W1 <= 1.05x the fused kernel",
