@@ -23,9 +23,11 @@ torch's fused kernel writing into the record's scratch, then one launch of ampsc
 block); while the host's bound of the scale is below 1 it is one launch of ampscale's kernel
 for every contiguous gradient (it checks the values it writes, where torch's kernel would need
 a second pass). A record or chunk table used on a stream other than the one it was allocated on gets
-``record_stream`` for that stream. Under CUDA graph capture the functional step raises (each
-step writes a new record, so a replay would repeat the captured step); the drop-in
-``GradScaler``'s update is one in-place kernel on fixed buffers instead.
+``record_stream`` for that stream. Under CUDA graph capture every step raises before any work:
+the functional step writes a new record per step, so a replay would repeat the captured step;
+the drop-in ``GradScaler``'s update is one in-place kernel on fixed buffers, but its scale's
+host bound and its per-optimizer flags live in Python, where a replay does not reach, so it
+refuses capture too (``ampscale._torch_scaler``).
 """
 
 from __future__ import annotations
