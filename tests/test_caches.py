@@ -417,9 +417,7 @@ def test_nvrtc_compiles_under_the_build_lock(tmp_path: pathlib.Path, monkeypatch
 
 
 @needs_posix
-def test_nvrtc_reads_the_cache_again_under_the_lock(
-    tmp_path: pathlib.Path, monkeypatch, fake_nvrtc: list[int]
-) -> None:
+def test_nvrtc_reads_the_cache_again_under_the_lock(tmp_path: pathlib.Path, monkeypatch, fake_nvrtc: list[int]) -> None:
     """An entry another process wrote while this one waited for the lock is used, not compiled
     again."""
     monkeypatch.setenv("AMPSCALE_CACHE_DIR", str(tmp_path))

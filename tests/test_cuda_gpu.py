@@ -803,7 +803,8 @@ def test_launches_per_step(device: Device) -> None:
     # update (from 2**16, below 1 after 17 updates), so the scale may be below 1 from then on;
     # still at most two launches per step, and one once the bound is below 1.
     counts = device.count_launches(lambda: [step(with_loss)(10) for with_loss in (False, True)])
-    assert counts["kernel"] <= 20 * expected and counts["memcpy"] == counts["memset"] == 0, counts
+    assert counts["kernel"] <= 20 * expected, counts
+    assert counts["memcpy"] == counts["memset"] == 0, counts
     for with_loss in (False, True):
         counts = device.count_launches(step(with_loss))
         assert counts == {"kernel": 5, "memcpy": 0, "memset": 0}, ("bound below 1", with_loss, counts)
