@@ -223,6 +223,9 @@ class FakeCupyState:
         self.capturing = False
         self.events: list[Any] = []
         self.compute_capability = "90"
+        #: every ufunc CuPy would run as one of its own kernels (compiled with -ftz=true):
+        #: ``(name, method, dtypes of the array operands)``
+        self.ufuncs: list[tuple[str, str, tuple[str, ...]]] = []
 
 
 def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
@@ -287,11 +290,33 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
                 return super().__getitem__(slice(k, k + 1)).reshape(())
             return super().__getitem__(key)
 
+        def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+            # a ufunc is one of CuPy's own elementwise kernels (compiled with -ftz=true): logged,
+            # so that tests see which operations would go through CuPy's compiler
+            dtypes = tuple(str(x.dtype) for x in inputs if isinstance(x, np.ndarray))
+            state.ufuncs.append((ufunc.__name__, method, dtypes))
+            plain = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
+            out = kwargs.get("out")
+            if out is not None:
+                kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, ndarray) else o for o in out)
+            result = getattr(ufunc, method)(*plain, **kwargs)
+            if out is not None:  # in place (``a *= x``): CuPy returns the very arrays written
+                return out[0] if len(out) == 1 else out
+            return _as_cupy(result)
+
         def __array_wrap__(self, array: Any, context: Any = None, return_scalar: bool = False) -> Any:
             if isinstance(array, ndarray):
                 return array  # an in-place operation's output (``a *= x``): CuPy returns ``a`` itself
             # CuPy never returns a scalar: 0-d results stay arrays
             return np.asarray(array).view(ndarray)
+
+    def _as_cupy(value: Any) -> Any:
+        """CuPy never returns a scalar: every array or scalar result becomes an array."""
+        if isinstance(value, tuple):
+            return tuple(map(_as_cupy, value))
+        if isinstance(value, (np.ndarray, np.generic)) and not isinstance(value, ndarray):
+            return np.asarray(value).view(ndarray)
+        return value
 
     ndarray.__module__ = "cupy"
     ndarray.__qualname__ = ndarray.__name__ = "ndarray"
@@ -462,6 +487,7 @@ def cupy_namespace(cp: types.ModuleType) -> types.ModuleType:
     import array_api_compat.numpy as xp_numpy
 
     fake = cp.ndarray  # type: ignore[attr-defined]
+    device_type = cp.cuda.Device  # type: ignore[attr-defined]
 
     def as_cupy(value: Any) -> Any:
         if isinstance(value, fake):
@@ -482,6 +508,8 @@ def cupy_namespace(cp: types.ModuleType) -> types.ModuleType:
 
                 @functools.wraps(original)
                 def value(*args: Any, **kwargs: Any) -> Any:
+                    if isinstance(kwargs.get("device"), device_type):
+                        kwargs["device"] = "cpu"  # the fake's one GPU is NumPy's memory
                     return as_cupy(original(*args, **kwargs))
 
             setattr(self, name, value)
