@@ -804,7 +804,10 @@ def test_launches_per_step(device: Device) -> None:
     # still at most two launches per step, and one once the bound is below 1.
     counts = device.count_launches(lambda: [step(with_loss)(10) for with_loss in (False, True)])
     assert counts["kernel"] <= 20 * expected, counts
-    assert counts["memcpy"] == counts["memset"] == 0, counts
+    # one copy at most: the chunk table of the float32 gradients, made when ampscale's kernel
+    # takes them over (then cached: none below)
+    assert counts["memcpy"] <= 1, counts
+    assert counts["memset"] == 0, counts
     for with_loss in (False, True):
         counts = device.count_launches(step(with_loss))
         assert counts == {"kernel": 5, "memcpy": 0, "memset": 0}, ("bound below 1", with_loss, counts)
