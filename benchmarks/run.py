@@ -28,8 +28,11 @@ and to the best anchor installed, all measured in the same run:
 Every step alternates between scales 16 and 1/16 so the data keeps its magnitude and never
 drifts into subnormals (which would slow every implementation down). On the CPU only the steps
 at scale 16 are timed (training runs at scales of at least 1); the steps at 1/16 restore the
-data untimed. (Below a scale of 1 a finite gradient can overflow when unscaled; the torch
-backend then adds a check-only pass over what it wrote, which no step at scale >= 1 pays.) For each workload the
+data untimed. (Below a scale of 1 a finite gradient can overflow when unscaled; where torch's
+kernel runs, which checks its inputs, the torch backend then adds a check-only pass over what
+it wrote, which no step at scale >= 1 pays. On CUDA, while the scale may be below 1, the torch
+backend uses ampscale's kernel instead, one launch that checks what it writes, and every step
+is timed.) For each workload the
 rounds of all cases (L included) are interleaved, in a new order every round, and each case
 keeps its best round, so ratios compare numbers taken at the same moments of this run.
 """

@@ -77,12 +77,26 @@ def harness_for_source(source: str, directory: pathlib.Path | None = None) -> ct
             partial.replace(lib)
             cpp.unlink()
         so = ctypes.CDLL(str(lib))
-        p, q = ctypes.c_void_p, ctypes.c_longlong
-        so.ampscale_host_step.argtypes = [p, q, ctypes.c_ulonglong, q, q, q, ctypes.c_float, p, p, p, q, ctypes.c_int]
-        so.ampscale_host_step.restype = ctypes.c_int
-        so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
-        so.ampscale_host_update_fields.argtypes = [p, p, p, p, q, p, q]
-        so.ampscale_host_word_count.restype = ctypes.c_longlong
+        if hasattr(so, "ampscale_host_step"):  # a module of kernels.cu (not one of the tests' own)
+            p, q = ctypes.c_void_p, ctypes.c_longlong
+            so.ampscale_host_step.argtypes = [
+                p,
+                q,
+                ctypes.c_ulonglong,
+                q,
+                q,
+                q,
+                ctypes.c_float,
+                p,
+                p,
+                p,
+                q,
+                ctypes.c_int,
+            ]
+            so.ampscale_host_step.restype = ctypes.c_int
+            so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
+            so.ampscale_host_update_fields.argtypes = [p, p, p, p, q, p, q]
+            so.ampscale_host_word_count.restype = ctypes.c_longlong
         _builds[source] = so
         return so
 
@@ -95,6 +109,10 @@ class Launches:
     @classmethod
     def names(cls) -> list[str]:
         return [name for name, _, _ in cls.log]
+
+
+#: the kernels of ``kernels.cu`` whose launches :func:`run_kernel` emulates block by block
+KNOWN_KERNELS = frozenset({"ampscale_step", "ampscale_update", "ampscale_update_fields"})
 
 
 def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None:
@@ -205,6 +223,9 @@ class FakeCupyState:
         self.capturing = False
         self.events: list[Any] = []
         self.compute_capability = "90"
+        #: every ufunc CuPy would run as one of its own kernels (compiled with -ftz=true):
+        #: ``(name, method, dtypes of the array operands)``
+        self.ufuncs: list[tuple[str, str, tuple[str, ...]]] = []
 
 
 def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
@@ -269,9 +290,33 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
                 return super().__getitem__(slice(k, k + 1)).reshape(())
             return super().__getitem__(key)
 
+        def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+            # a ufunc is one of CuPy's own elementwise kernels (compiled with -ftz=true): logged,
+            # so that tests see which operations would go through CuPy's compiler
+            dtypes = tuple(str(x.dtype) for x in inputs if isinstance(x, np.ndarray))
+            state.ufuncs.append((ufunc.__name__, method, dtypes))
+            plain = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
+            out = kwargs.get("out")
+            if out is not None:
+                kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, ndarray) else o for o in out)
+            result = getattr(ufunc, method)(*plain, **kwargs)
+            if out is not None:  # in place (``a *= x``): CuPy returns the very arrays written
+                return out[0] if len(out) == 1 else out
+            return _as_cupy(result)
+
         def __array_wrap__(self, array: Any, context: Any = None, return_scalar: bool = False) -> Any:
+            if isinstance(array, ndarray):
+                return array  # an in-place operation's output (``a *= x``): CuPy returns ``a`` itself
             # CuPy never returns a scalar: 0-d results stay arrays
             return np.asarray(array).view(ndarray)
+
+    def _as_cupy(value: Any) -> Any:
+        """CuPy never returns a scalar: every array or scalar result becomes an array."""
+        if isinstance(value, tuple):
+            return tuple(map(_as_cupy, value))
+        if isinstance(value, (np.ndarray, np.generic)) and not isinstance(value, ndarray):
+            return np.asarray(value).view(ndarray)
+        return value
 
     ndarray.__module__ = "cupy"
     ndarray.__qualname__ = ndarray.__name__ = "ndarray"
@@ -311,7 +356,17 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
             state.stream_stack.pop()
 
         def is_capturing(self) -> bool:
-            return state.capturing
+            return state.capturing or self.capturing
+
+        # stream capture as CuPy has it (nothing is recorded: the backends refuse to run under it)
+        capturing = False
+
+        def begin_capture(self, mode: Any = None) -> None:
+            self.capturing = True
+
+        def end_capture(self) -> Any:
+            self.capturing = False
+            return types.SimpleNamespace(launch=lambda stream=None: None, upload=lambda stream=None: None)
 
         def record(self, event: Any = None) -> Any:
             event = event or Event()
@@ -352,7 +407,15 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
         def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], **kwargs: Any) -> None:
             blocks = max(1, grid[0])  # CuPy launches at least one block
             Launches.log.append((self.name, blocks, get_current_stream().ptr))
-            run_kernel(self.module.so, self.name, blocks, [_pointer(a) for a in args])
+            params = [_pointer(a) for a in args]
+            if self.name in KNOWN_KERNELS:
+                run_kernel(self.module.so, self.name, blocks, params)
+            else:
+                # a module of the tests' own (the transitions batched in one module): its host
+                # twin of the same name does the whole launch's work in one call
+                twin = getattr(self.module.so, self.name)
+                twin.argtypes = [ctypes.c_longlong] * len(params)
+                twin(*params)
 
     class Module:
         def __init__(self) -> None:
@@ -379,10 +442,85 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
     cuda.get_current_stream = get_current_stream  # type: ignore[attr-defined]
     cuda.function = types.SimpleNamespace(Module=Module, Function=Function)  # type: ignore[attr-defined]
     cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)  # type: ignore[attr-defined]
+    cuda.nccl = _fake_nccl()  # type: ignore[attr-defined]
     cp.cuda = cuda  # type: ignore[attr-defined]
     cp.RawModule = raw_module  # type: ignore[attr-defined]
     cp.RawKernel = raw_module  # type: ignore[attr-defined]
     return cp
+
+
+def _fake_nccl() -> types.ModuleType:
+    """``cupy.cuda.nccl`` for one process and one rank: an all-reduce over one rank is a copy of
+    the send buffer into the receive buffer (nothing when they are one buffer)."""
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    sizes = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8}  # NCCL's dtype codes -> bytes
+    nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT64 = 7, 6, 8  # type: ignore[attr-defined]
+    nccl.NCCL_SUM, nccl.NCCL_PROD, nccl.NCCL_MAX, nccl.NCCL_MIN = 0, 1, 2, 3  # type: ignore[attr-defined]
+    nccl.available = True  # type: ignore[attr-defined]
+    nccl.get_unique_id = lambda: (0,) * 128  # type: ignore[attr-defined]
+
+    class NcclCommunicator:
+        def __init__(self, ndev: int, commId: Any, rank: int) -> None:
+            if ndev != 1 or rank != 0:
+                raise ValueError("the fake NCCL has one rank")
+
+        def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
+            if sendbuf != recvbuf:
+                ctypes.memmove(recvbuf, sendbuf, count * sizes[datatype])
+
+        def size(self) -> int:
+            return 1
+
+        def rank_id(self) -> int:
+            return 0
+
+    nccl.NcclCommunicator = NcclCommunicator  # type: ignore[attr-defined]
+    return nccl
+
+
+def cupy_namespace(cp: types.ModuleType) -> types.ModuleType:
+    """``array_api_compat.cupy`` for the fake CuPy: ``array_api_compat.numpy`` whose array results
+    are the fake's arrays (0-d ones too: CuPy returns no scalars), as CuPy's own namespace gives
+    CuPy arrays. A plain NumPy result would change type on the next operation of the step."""
+    import functools
+
+    import array_api_compat.numpy as xp_numpy
+
+    fake = cp.ndarray  # type: ignore[attr-defined]
+    device_type = cp.cuda.Device  # type: ignore[attr-defined]
+
+    def as_cupy(value: Any) -> Any:
+        if isinstance(value, fake):
+            return value
+        if isinstance(value, (np.ndarray, np.generic)):
+            return np.asarray(value).view(fake)
+        if isinstance(value, tuple):
+            return tuple(map(as_cupy, value))
+        if isinstance(value, list):
+            return [as_cupy(v) for v in value]
+        return value
+
+    class Namespace(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            value = getattr(xp_numpy, name)
+            if callable(value) and not isinstance(value, type):
+                original = value
+
+                @functools.wraps(original)
+                def value(*args: Any, **kwargs: Any) -> Any:
+                    if isinstance(kwargs.get("device"), device_type):
+                        kwargs["device"] = "cpu"  # the fake's one GPU is NumPy's memory
+                    return as_cupy(original(*args, **kwargs))
+
+            setattr(self, name, value)
+            return value
+
+    return Namespace("array_api_compat.cupy")
+
+
+def _cupy_modules(cp: types.ModuleType) -> dict[str, types.ModuleType]:
+    """The entries of ``sys.modules`` that make ``from cupy.cuda import nccl`` work on the fake."""
+    return {"cupy": cp, "cupy.cuda": cp.cuda, "cupy.cuda.nccl": cp.cuda.nccl}  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -401,7 +539,8 @@ def cupy_on_host(monkeypatch: Any, compile_for_real: bool = False) -> Iterator[t
     state = FakeCupyState()
     cp = fake_cupy(state)
     Launches.log.clear()
-    monkeypatch.setitem(sys.modules, "cupy", cp)
+    for name, module in _cupy_modules(cp).items():
+        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "ampscale.backends.cupy", raising=False)
     monkeypatch.setattr(backends, "_loaded", {k: v for k, v in backends._loaded.items() if k != "cupy"})
     real_compiled = nvrtc.compiled
@@ -418,9 +557,8 @@ def cupy_on_host(monkeypatch: Any, compile_for_real: bool = False) -> Iterator[t
     monkeypatch.setattr(nvrtc, "compiled", compiled)
     module = importlib.import_module("ampscale.backends.cupy")
     monkeypatch.setattr(backends, "cupy", module, raising=False)  # (import set it: put it back after)
-    import array_api_compat.numpy as xp_numpy
-
-    monkeypatch.setattr(module.CupyBackend, "namespace", lambda self: xp_numpy)
+    namespace = cupy_namespace(cp)
+    monkeypatch.setattr(module.CupyBackend, "namespace", lambda self: namespace)
     try:
         yield cp, module
     finally:
@@ -435,7 +573,8 @@ def install_fake_cupy_for_the_session() -> None:
     from ampscale._native.cuda import nvrtc
 
     state = FakeCupyState()
-    sys.modules["cupy"] = fake_cupy(state)
+    cp = fake_cupy(state)
+    sys.modules.update(_cupy_modules(cp))
     real_compiled = nvrtc.compiled
 
     def compiled(source: str, arch: int, options: Any = (), name: str = "ampscale.cu") -> tuple[bytes, str]:
@@ -445,11 +584,10 @@ def install_fake_cupy_for_the_session() -> None:
 
     compiled.real = real_compiled  # type: ignore[attr-defined]
     nvrtc.compiled = compiled  # type: ignore[assignment]
-    import array_api_compat.numpy as xp_numpy
-
     from ampscale.backends import cupy as module
 
-    module.CupyBackend.namespace = lambda self: xp_numpy  # type: ignore[method-assign]
+    namespace = cupy_namespace(cp)
+    module.CupyBackend.namespace = lambda self: namespace  # type: ignore[method-assign]
 
 
 def install_torch_cuda_path_for_the_session() -> None:

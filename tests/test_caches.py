@@ -382,6 +382,62 @@ def test_a_full_disk_costs_a_compilation_and_leaves_no_temporary_file(
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def _lock_is_held(directory: pathlib.Path) -> bool:
+    """Whether a build lock of the cache ``directory`` is held (by another open file: flock
+    locks belong to open files, so this sees a lock held by this very process too)."""
+    import fcntl
+
+    held = False
+    for lock in directory.glob(".*.lock"):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = True
+        finally:
+            os.close(fd)
+    return held
+
+
+@needs_posix
+def test_nvrtc_compiles_under_the_build_lock(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """On a cold cache the lock is taken before NVRTC runs, so concurrent processes (xdist's
+    workers) compile a source once: the others wait for the entry."""
+    monkeypatch.setenv("AMPSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "version", lambda: (13, 0))
+    held_while_compiling: list[bool] = []
+
+    def compile_source(source, arch, options=(), name="ampscale.cu", ptx=False):
+        held_while_compiling.append(_lock_is_held(tmp_path))
+        return _CUBIN, "cubin"
+
+    monkeypatch.setattr(nvrtc, "compile_source", compile_source)
+    assert nvrtc.compiled("src", 90) == (_CUBIN, "cubin")
+    assert held_while_compiling == [True]
+
+
+@needs_posix
+def test_nvrtc_reads_the_cache_again_under_the_lock(tmp_path: pathlib.Path, monkeypatch, fake_nvrtc: list[int]) -> None:
+    """An entry another process wrote while this one waited for the lock is used, not compiled
+    again."""
+    monkeypatch.setenv("AMPSCALE_CACHE_DIR", str(tmp_path))
+    nvrtc.compiled("src", 90)  # the entry another process will have written
+    entry = _nvrtc_entry(tmp_path)
+    whole = entry.read_bytes()
+    entry.unlink()
+    real_lock = _cache.build_lock
+
+    @contextlib.contextmanager
+    def lock_won_after_the_other_process(directory: str, name: str):
+        with real_lock(directory, name):
+            entry.write_bytes(whole)  # the other process finished while this one waited
+            yield
+
+    monkeypatch.setattr(_cache, "build_lock", lock_won_after_the_other_process)
+    assert nvrtc.compiled("src", 90) == (_CUBIN, "cubin")
+    assert fake_nvrtc == [90]  # the first call's compile only
+
+
 def test_an_unwritable_cache_costs_a_compilation(tmp_path: pathlib.Path, monkeypatch, fake_nvrtc: list[int]) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

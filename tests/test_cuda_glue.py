@@ -41,7 +41,8 @@ def packed_scaler() -> Scaler:
     from ampscale._core import initial_values
 
     state = torch_backend._packed_from_values(initial_values(config), config, torch.device("cpu"))
-    return Scaler(config, state, torch_backend.BACKEND)
+    # the host bound of the scale, as create_scaler gives it: the scale itself
+    return Scaler(config, state, torch_backend.BACKEND, config.initial_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -58,11 +59,15 @@ def test_fused_steps_follow_the_host_scaler(module: HostModule, dtype: torch.dty
         reference = [g.float().clone().numpy() for g in grads]
         loss = torch.tensor(loss_value) if with_loss else None
         Launches.log.clear()
+        # the host bound of the scale halves with every update (the host does not see the
+        # outcome): from 2**16 it is below 1 from the 17th step on
+        below_one = ours._floor_hint() < 1
         _, _, ours = ours.step(lambda p, g, s: (p, s), [], grads, (), loss=loss)
         finite = bool(np.all([np.isfinite(r).all() for r in reference])) and np.isfinite(loss_value)
         # torch's own kernel (on the CPU here) is not a module launch; then one launch: the
-        # check kernel with the transition (bfloat16 or a loss to check) or the update kernel
-        own = dtype == torch.bfloat16 or with_loss
+        # check kernel with the transition (bfloat16, a loss to check, or every gradient while
+        # the scale may be below 1) or the update kernel
+        own = dtype == torch.bfloat16 or with_loss or below_one
         assert module.launches == ["ampscale_step" if own else "ampscale_update"]
         host = host.update(bool(finite), loss_finite=bool(np.isfinite(loss_value)) if with_loss else None)
         assert ours.state_dict()["ampscale"]["state"] == host.state_dict()["ampscale"]["state"], step

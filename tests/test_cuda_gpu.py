@@ -7,7 +7,8 @@
 * the drop-in ``ampscale.torch.GradScaler``'s ``update()``: one in-place launch;
 * the last-block pattern under stress: many chunks, one inf in a random block, two scalers on
   two streams;
-* kernel launches per step counted by the profiler (CuPy 1, torch 2), and no host sync
+* kernel launches per step counted by the profiler (CuPy 1, torch at most 2: 1 while the scale
+  may be below 1), and no host sync
   (``torch.cuda.set_sync_debug_mode("error")``); a float32 subnormal unscaled exactly.
 
 Each test runs on a real GPU (``torch``, ``cupy``: marked ``gpu``, run by
@@ -770,20 +771,23 @@ def _capturing(device: Device) -> Iterator[None]:
     indirect=True,
 )
 def test_launches_per_step(device: Device) -> None:
-    """CuPy: one launch per step, loss or not. torch: two (its fused kernel, then the update or
-    ampscale's kernel for the loss), one for bfloat16 alone. Nothing is copied."""
+    """CuPy: one launch per step, loss or not. torch: two while the host's bound of the scale is
+    at least 1 (its fused kernel, then the update or ampscale's kernel for the loss), and one
+    where the scale may be below 1 (ampscale's kernel for every gradient, since it checks what
+    it writes), never a third (a check-only pass after torch's kernel), however long the run;
+    one for bfloat16 alone. Nothing is copied."""
     grads = [device.array(np.ones(n, np.float32)) for n in (1024, 70_000, 3)]
     loss = device.array(np.asarray(2.0, np.float32))
     scaler = ampscale.create_scaler(backend=device.framework)
 
-    def step(with_loss: bool) -> Callable[..., None]:
+    def step(with_loss: bool, leaves: list[Any] = grads) -> Callable[..., None]:
         def run(times: int = 5) -> None:
             nonlocal scaler
             for _ in range(times):
                 if with_loss:  # step() hands the loss flag to the update: nothing left to launch
-                    _, _, scaler = scaler.step(lambda p, g, s: (p, s), [], grads, (), loss=loss)
+                    _, _, scaler = scaler.step(lambda p, g, s: (p, s), [], leaves, (), loss=loss)
                 else:
-                    _, finite = scaler.unscale(grads)
+                    _, finite = scaler.unscale(leaves)
                     scaler = scaler.update(finite)
 
         return run
@@ -795,10 +799,33 @@ def test_launches_per_step(device: Device) -> None:
     for with_loss in (False, True):
         counts = device.count_launches(step(with_loss))
         assert counts == {"kernel": 5 * expected, "memcpy": 0, "memset": 0}, (with_loss, counts)
+    # A long run that never reads the scale: the host's bound of it falls by one backoff per
+    # update (from 2**16, below 1 after 17 updates), so the scale may be below 1 from then on;
+    # still at most two launches per step, and one once the bound is below 1.
+    counts = device.count_launches(lambda: [step(with_loss)(10) for with_loss in (False, True)])
+    assert counts["kernel"] <= 20 * expected, counts
+    # one copy at most: the chunk table of the float32 gradients, made when ampscale's kernel
+    # takes them over (then cached: none below)
+    assert counts["memcpy"] <= 1, counts
+    assert counts["memset"] == 0, counts
+    for with_loss in (False, True):
+        counts = device.count_launches(step(with_loss))
+        assert counts == {"kernel": 5, "memcpy": 0, "memset": 0}, ("bound below 1", with_loss, counts)
+    # a scale below 1 from the start (the benchmark's 1/16), float32 and bfloat16 alike
+    leaves = {"float32": grads}
     if device.framework == "torch":
         import torch
 
-        bf16 = [g.to(torch.bfloat16) for g in grads]
+        leaves["bfloat16"] = [g.to(torch.bfloat16) for g in grads]
+    for name, tree in leaves.items():
+        scaler = ampscale.create_scaler(backend=device.framework, init_scale=1 / 16)
+        step(False, tree)(1)
+        for with_loss in (False, True):
+            counts = device.count_launches(step(with_loss, tree))
+            assert counts == {"kernel": 5, "memcpy": 0, "memset": 0}, ("scale 1/16", name, with_loss, counts)
+    if device.framework == "torch":
+        bf16 = leaves["bfloat16"]
+        scaler = ampscale.create_scaler(backend="torch")
         scaler = scaler.update(scaler.unscale(bf16)[1])
 
         def run_bf16() -> None:

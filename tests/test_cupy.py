@@ -200,6 +200,64 @@ def test_strided_arrays_are_exact_and_warn_once(cp: tuple[Any, Any, bool]) -> No
     np.testing.assert_array_equal(cupy.asnumpy(base[:, ::2]), np.arange(64, dtype=np.float32).reshape(8, 8)[:, ::2])
 
 
+#: CuPy kernels that compute with floats (CuPy compiles them with -ftz=true: float32 subnormals
+#: are flushed); comparisons, copies and reductions of flags are not among them
+_ARITHMETIC = frozenset({"multiply", "add", "subtract", "true_divide", "divide", "reciprocal", "power"})
+
+
+def _float_arithmetic(ufuncs: list[tuple[str, str, tuple[str, ...]]]) -> list[tuple[str, str, tuple[str, ...]]]:
+    return [u for u in ufuncs if u[0] in _ARITHMETIC and any(d in ("float32", "bfloat16") for d in u[2])]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_gradients_go_through_ampscales_kernel_never_cupys_compiler(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """Which compiler each operation's float arithmetic goes through (the fake CuPy logs every
+    elementwise kernel of CuPy's own, which CuPy compiles with -ftz=true): the check and unscale
+    of gradients, strided views included, is ampscale's NVRTC-built kernel alone, so float32
+    subnormals are kept. ``scale()`` and ``masked_add_`` use CuPy's own multiply and add, which
+    flush them, as the docs say (docs/backends.md, "What is exact on CuPy")."""
+    with cupy_on_host(monkeypatch) as (cupy, module):
+        state = cupy._fake_state
+        module._warned_strided = True
+        base = cupy.asarray((np.arange(64, dtype=np.float32).reshape(8, 8) + 1) * np.float32(2.0**-140))
+        grads = [base[:, ::2]] if layout == "strided" else [base]
+        scaler = ampscale.create_scaler(backend="cupy", init_scale=0.5)
+        expected = cupy.asnumpy(grads[0]) * np.float32(2.0)  # subnormals, doubled exactly
+        scaler = scaler.update(scaler.unscale([cupy.ones(4, cupy.float32)])[1])  # the state exists
+        state.ufuncs.clear()
+        Launches.log.clear()
+        (out,), finite = scaler.unscale(grads)
+        assert bool(finite)
+        np.testing.assert_array_equal(cupy.asnumpy(out), expected)
+        assert "ampscale_step" in Launches.names()
+        assert _float_arithmetic(state.ufuncs) == []
+        state.ufuncs.clear()
+        scaler.scale(cupy.asarray(np.float32(3.0)))
+        assert [u[0] for u in _float_arithmetic(state.ufuncs)] == ["multiply"]  # CuPy's: documented
+        state.ufuncs.clear()
+        ampscale.masked_add_(cupy.asarray(True), [cupy.ones(3, cupy.float32)], [cupy.ones(3, cupy.float32)])
+        assert "add" in [u[0] for u in _float_arithmetic(state.ufuncs)]
+
+
+def test_the_eager_fallback_says_it_flushes_subnormals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ampscale's kernels (no NVRTC or driver) CuPy's own operations do everything, and
+    the warning says what that changes."""
+    from ampscale._native.cuda import driver
+
+    monkeypatch.setattr(driver, "_warned", set())
+    with cupy_on_host(monkeypatch) as (cupy, module):
+
+        def refused(source: str, device_id: int) -> Any:
+            raise OSError("no NVRTC here")
+
+        monkeypatch.setattr(module, "_load_module", refused)
+        scaler = ampscale.create_scaler(backend="cupy")
+        with pytest.warns(ampscale.PerformanceWarning, match=r"-ftz=true.*subnormals to zero"):
+            scaler.unscale([cupy.ones(3, cupy.float32)])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cupy_gpu(), reason="no CuPy GPU")
 def test_nccl_agreement_with_one_rank() -> None:

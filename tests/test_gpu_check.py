@@ -40,6 +40,9 @@ def test_every_stage_has_a_limit_and_together_they_fit_seven_minutes() -> None:
     assert all(s["limit"] > 0 for s in plan["stages"])
     assert plan["sum_of_limits"] == sum(s["limit"] for s in plan["stages"])
     assert plan["sum_of_limits"] <= plan["total_limit"] <= SEVEN_MINUTES
+    # a margin for the script's own start and end, and the copies back (scripts/gpu_check.py)
+    assert plan["margin"] >= 30
+    assert plan["sum_of_limits"] <= plan["total_limit"] - plan["margin"]
     limits = {s["name"]: s["limit"] for s in plan["stages"]}
     for stage, per_test in plan["per_test_limit"].items():
         assert per_test <= limits[stage] / 2, stage  # a hang is named, not the stage killed
@@ -121,8 +124,153 @@ def test_a_dry_run_installs_nothing_from_an_index_and_writes_two_files(tmp_path:
     assert stages["wheels"]["wheels"] == ["ampscale_carried_probe-1.0-py3-none-any.whl"]
     assert (tmp_path / "site" / "ampscale_carried_probe.py").exists()
     assert stages["build"]["status"] == "passed"
+    for witness in ("nvidia-smi", "torch", "cupy", "jax"):  # who sees a GPU, each answer logged
+        assert f"GPU seen by {witness}: " in log
     pip_lines = [line for line in log.splitlines() if " -m pip " in line]
     assert pip_lines
     assert all("--no-index" in line for line in pip_lines)
     assert not re.search(r"^(Collecting|Downloading|Looking in indexes)", log, re.MULTILINE)
     assert "--timeout=" in " ".join(stages["gpu-tests"].get("command", ["--timeout="]))
+
+
+# ------------------------------------------------------------------------------ decisions, without a GPU
+
+
+def test_a_gpu_is_there_when_any_witness_sees_one_and_no_gpu_says_why() -> None:
+    check = load_check()
+    facts = {"torch_cuda": True, "cupy_devices": 1, "jax_backend": "gpu", "why_no_gpu": {}}
+    witnesses = check.gpu_witnesses("timed out after 10 s", facts)  # a slow nvidia-smi decides nothing
+    assert witnesses["nvidia-smi"] == "timed out after 10 s"
+    assert check.no_gpu_reason(witnesses) == ""
+    blind = {
+        "torch_cuda": False,
+        "cupy_devices": 0,
+        "jax_backend": "cpu",
+        "why_no_gpu": {"torch": "torch.cuda.is_available() is False", "cupy": "ImportError: no cupy"},
+    }
+    reason = check.no_gpu_reason(check.gpu_witnesses("not installed", blind))
+    assert reason.startswith("no GPU here")
+    for said in ("nvidia-smi: not installed", "torch.cuda.is_available() is False", "no cupy", "jax"):
+        assert said in reason
+    assert check.no_gpu_reason(check.gpu_witnesses(None, blind)) == ""  # nvidia-smi alone sees one
+
+
+class _Machine:
+    """What the commands of a run answer, without running them: a GPU that nvidia-smi is too slow
+    to report, torch, CuPy and JAX that see it, and an extension that did not build."""
+
+    def __init__(self, facts: dict, broken: set[str]) -> None:
+        self.facts = facts
+        self.broken = broken
+        self.commands: list[list[str]] = []
+
+    def run(self, runner, command, limit, label=None):  # the signature of gpu_check.Run.run
+        runner.say(f"$ {label or ' '.join(command)}")
+        self.commands.append(list(command))
+        joined = " ".join(command)
+        if command[0].endswith("nvidia-smi"):
+            return None, ""  # killed at its limit
+        if "FACTS" in joined and "required" in joined:
+            return 0, "FACTS " + json.dumps(self.facts)
+        if "FACTS" in joined:
+            return 0, "FACTS {}"
+        for name in self.broken:
+            if f"import {name};" in joined:
+                return 1, f"ModuleNotFoundError: No module named {name!r}"
+        return 0, ""
+
+    def ran(self, program: str) -> list[list[str]]:
+        """The commands that ran ``program`` (``pytest``: ``python -m pytest``; or a script)."""
+        return [c for c in self.commands if program in c or (c[1:3] == ["-m", program])]
+
+
+def _run_main(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, machine: _Machine):
+    check = load_check()
+    monkeypatch.setattr(check.Run, "run", lambda self, *a, **k: machine.run(self, *a, **k))
+    real_which = shutil.which
+    monkeypatch.setattr(
+        check.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else real_which(name)
+    )
+    status = check.main([str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    return status, report, (tmp_path / "out" / "gpu-check.log").read_text()
+
+
+SEEN = {
+    "modules": dict.fromkeys(load_check().REQUIRED, "1"),
+    "torch_cuda": True,
+    "cupy_devices": 1,
+    "jax_backend": "gpu",
+    "why_no_gpu": {},
+}
+
+
+def test_a_slow_nvidia_smi_skips_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    machine = _Machine(SEEN, set())
+    status, report, log = _run_main(monkeypatch, tmp_path, machine)
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["machine"]["status"] == "skipped"
+    assert "timed out" in stages["machine"]["reason"]
+    for name in ("gpu-tests", "bench", "jax-tests", "jax-bench"):
+        assert stages[name]["status"] == "passed", (name, stages[name])
+    assert "no GPU here" not in log
+    assert status == 0
+
+
+def test_a_missing_extension_skips_only_the_stages_that_need_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    machine = _Machine(SEEN, {"ampscale._native.cuda._driver"})
+    status, report, log = _run_main(monkeypatch, tmp_path, machine)
+    stages = {s["name"]: s for s in report["stages"]}
+    assert "stopped" not in report
+    assert stages["build"]["status"] == "failed"
+    assert stages["build"]["missing"] == ["ampscale._native.cuda._driver"]
+    assert [line for line in log.splitlines() if line.startswith("MISSING:")] == [
+        "MISSING: ampscale._native.cuda._driver (the CUDA launcher) did not build or import; "
+        "needed by: torch CUDA, the JAX CUDA custom call"
+    ]
+    (tests,) = machine.ran("pytest")  # CuPy's GPU tests still run, torch's (which need it) do not
+    assert tests[tests.index("-k") + 1] == "not torch"
+    (bench,) = machine.ran("benchmarks/run.py")
+    assert bench[bench.index("--backends") + 1] == "cupy"
+    for name in ("jax-tests", "jax-bench"):
+        assert stages[name]["status"] == "skipped"
+        assert "ampscale._native.cuda._driver" in stages[name]["reason"]
+    assert status == 1  # the build failed: the run says so
+
+
+def test_without_the_numpy_kernel_every_stage_runs_and_its_warning_is_no_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    machine = _Machine(SEEN, {"ampscale._native.cpu._numpy"})
+    _, report, log = _run_main(monkeypatch, tmp_path, machine)
+    stages = {s["name"]: s for s in report["stages"]}
+    for name in ("gpu-tests", "bench", "jax-tests", "jax-bench"):
+        assert stages[name]["status"] == "passed", (name, stages[name])
+    for command in machine.ran("pytest"):
+        assert command[command.index("-W") + 1] == load_check().NO_NUMPY_KERNEL_FILTER
+    assert "needed by: no stage" in log
+
+
+def test_the_wheels_carried_are_checked_against_the_one_pin(tmp_path: pathlib.Path) -> None:
+    """scripts/gpu-wheels.txt is the one place that pins the carried wheels: gpu-wheels.sh
+    downloads what it lists, the test environment is constrained by it, and the check names a
+    carried wheel of another version."""
+    check = load_check()
+    pins = check.pinned_wheels()
+    assert pins
+    assert all(re.fullmatch(r"\d+(\.\d+)+", version) for version in pins.values())  # exact versions
+    assert "array_api_compat" in pins
+    script = (ROOT / "scripts" / "gpu-wheels.sh").read_text()
+    assert "-r scripts/gpu-wheels.txt" in script
+    assert not re.search(r"array-api-compat==", script)  # no second pin
+    assert "-c scripts/gpu-wheels.txt" in (ROOT / "requirements-test.txt").read_text()
+    version = pins["array_api_compat"]
+    assert check.compare_wheels(pins, [f"/w/array_api_compat-{version}-py3-none-any.whl"]) == {
+        f"array_api_compat=={version}": "carried"
+    }
+    assert check.compare_wheels(pins, ["/w/array_api_compat-0.1-py3-none-any.whl"]) == {
+        f"array_api_compat=={version}": "other version 0.1"
+    }
+    assert check.compare_wheels(pins, []) == {f"array_api_compat=={version}": "missing"}

@@ -97,6 +97,13 @@ def check_ptx(ptx: str, arch: str) -> None:
     assert "st.global.u8" in begin
     # the table is a 3,088-byte parameter, read where the driver put it: no per-thread copy
     assert f".param .align 8 .b8 ampscale_jax_unscale_param_2[{TABLE.itemsize}]" in unscale
+    # every parameter together within the 4 KB that every driver accepts (the larger limit of
+    # CUDA 12.1+ is not used: see AMPSCALE_JAX_LEAVES)
+    signature = unscale[: unscale.index(")")]
+    sizes = [int(n) for n in re.findall(r"\.b8 \w+\[(\d+)\]", signature)]
+    sizes += [8 for _ in re.findall(r"\.param \.u64 ", signature)]
+    assert len(sizes) == 3
+    assert sum(sizes) <= 4096
     assert "__local_depot" not in unscale
     assert "cvt.rn.bf16.f32" in unscale  # bfloat16 NaNs as XLA stores them on sm_80 and later
 
@@ -335,6 +342,17 @@ def test_launches_grids_and_tables(handler) -> None:
         assert launch[2] == (sum(chunks), 1, 1)
         assert launch[3] == (_jax.THREADS, 1, 1)
     assert not any(c[0] in ("push", "pop", "copy") for c in fake.calls)  # XLA's context is the module's
+
+
+def test_a_call_of_the_lowering_is_one_flag_launch_and_one_table_launch(handler) -> None:
+    """Why the table stays at 128 leaves (jax_kernels.cu, AMPSCALE_JAX_LEAVES): the lowering puts
+    at most GROUP leaves in a call, and a full group takes one table launch, so a larger table
+    (CUDA 12.1's large parameters) would save no launch."""
+    assert _jax_custom_call.GROUP <= _jax.LEAVES
+    library, fake = handler
+    arrays = leaves(np.random.default_rng(3), [3] * _jax_custom_call.GROUP, [np.float32, np.float16])
+    assert run(library, arrays, 0.5) == (True, "")
+    assert [c[1] for c in fake.launches()] == [1, 2]
 
 
 def test_only_empty_buffers_or_none_give_a_true_flag(handler) -> None:

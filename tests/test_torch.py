@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -409,24 +410,46 @@ def test_functional_api_with_torch_tensors() -> None:
     assert scaler.state.scale.dtype == torch.float32
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_side_by_side_and_bf16_grads() -> None:
-    ours_model, torch_model = make_model().cuda(), make_model().cuda()
-    ours_opt = torch.optim.Adam(ours_model.parameters(), lr=1e-2, fused=True)
-    torch_opt = torch.optim.Adam(torch_model.parameters(), lr=1e-2, fused=True)
-    ours, theirs = amp_torch.GradScaler("cuda", growth_interval=2), torch.amp.GradScaler("cuda", growth_interval=2)
-    for step, (x, y) in enumerate(batches(12)):
-        train_step(ours_model, ours_opt, ours, x.cuda(), y.cuda(), step in {3, 4})
-        train_step(torch_model, torch_opt, theirs, x.cuda(), y.cuda(), step in {3, 4})
-        assert ours.get_scale() == theirs.get_scale()
-        assert all(torch.equal(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True))
-    model = make_model(dtype=torch.bfloat16).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = amp_torch.GradScaler("cuda")
-    x, y = batches(1, torch.bfloat16)[0]
-    train_step(model, opt, scaler, x.cuda(), y.cuda(), False)
-    assert scaler.get_scale() == 2.0**16
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+        ),
+        "cpu-host",  # CPU tensors down the drop-in's CUDA code path, the kernels' host build
+    ],
+)
+def test_cuda_side_by_side_and_bf16_grads(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop-in against torch.amp.GradScaler, fused Adam, with injected infs: the same scale and
+    the same parameters, bit for bit, every step; then bfloat16 gradients (torch's CUDA kernel
+    lacks them). On a GPU (``cuda``); and (``cpu-host``) with CPU tensors taking the drop-in's
+    CUDA code path (its one-launch update on the host build of the kernels, tests/fake_cuda.py),
+    where torch's CPU kernels stand in for its CUDA ones."""
+    from tests.fake_cuda import Launches, torch_on_host
+
+    device = "cuda" if where == "cuda" else "cpu"
+    with contextlib.ExitStack() as stack:
+        if where == "cpu-host":
+            stack.enter_context(torch_on_host(monkeypatch))
+        ours_model, torch_model = make_model().to(device), make_model().to(device)
+        ours_opt = torch.optim.Adam(ours_model.parameters(), lr=1e-2, fused=True)
+        torch_opt = torch.optim.Adam(torch_model.parameters(), lr=1e-2, fused=True)
+        ours, theirs = amp_torch.GradScaler(device, growth_interval=2), torch.amp.GradScaler(device, growth_interval=2)
+        for step, (x, y) in enumerate(batches(12)):
+            train_step(ours_model, ours_opt, ours, x.to(device), y.to(device), step in {3, 4})
+            train_step(torch_model, torch_opt, theirs, x.to(device), y.to(device), step in {3, 4})
+            assert ours.get_scale() == theirs.get_scale()
+            assert all(
+                torch.equal(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True)
+            )
+        if where == "cpu-host":  # the drop-in's update() went through its one-launch kernel
+            assert Launches.names().count("ampscale_update_fields") == 12
+        model = make_model(dtype=torch.bfloat16).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = amp_torch.GradScaler(device)
+        x, y = batches(1, torch.bfloat16)[0]
+        train_step(model, opt, scaler, x.to(device), y.to(device), False)
+        assert scaler.get_scale() == 2.0**16
 
 
 @pytest.mark.parametrize("widened", [True, False], ids=["widened-fused", "per-tensor"])

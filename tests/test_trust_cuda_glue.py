@@ -1,8 +1,10 @@
 """Issue 14's rules on torch's one-launch CUDA path, driven on the CPU (see test_cuda_glue.py).
 
-torch's own kernel checks the inputs: below a scale of 1 the path adds a check-only pass of the
-values written, decided by the host bound of the device scale; aliasing and refusals happen
-before any kernel runs. No GPU here: the launches go to the host build of the same kernels.
+torch's own kernel checks the inputs: while the host bound of the device scale says it may be
+below 1, ampscale's kernel (which checks the values it writes, in the same pass) takes every
+contiguous gradient instead, and torch's kernel with a check-only pass of the values written
+only the non-contiguous ones; aliasing and refusals happen before any kernel runs. No GPU
+here: the launches go to the host build of the same kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ampscale  # noqa: E402
 from ampscale._core import initial_values  # noqa: E402
 from ampscale._scaler import Scaler  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
+from tests.fake_cuda import Launches  # noqa: E402
 from tests.test_cuda_glue import module  # noqa: E402, F401  (the fixture: kernels on the host)
 
 pytestmark = pytest.mark.usefixtures("module")
@@ -49,14 +52,24 @@ def test_below_one_the_fused_path_flags_values_that_overflow_when_unscaled(
     kernel_calls: list[float], dtype: Any
 ) -> None:
     big = 3e38 if dtype == torch.float32 else 60000.0
-    scaler = packed(0.125, None)  # no bound known: the values written are checked
+    scaler = packed(0.125, None)  # no bound known: ampscale's kernel, which checks what it writes
     _, finite = scaler.unscale([torch.ones(5, dtype=dtype), torch.tensor([big, 1.0], dtype=dtype)])
     assert not bool(finite)
-    assert kernel_calls == [8.0, 1.0]
+    assert kernel_calls == []  # torch's kernel (checks its inputs) is not used below 1
+    assert Launches.names() == ["ampscale_step"]  # one launch: check, unscale and the transition
     grads = [torch.ones(5, dtype=dtype)]
     _, finite = packed(0.125, 0.125).unscale(grads)
     assert bool(finite)
     assert grads[0].tolist() == [8.0] * 5
+
+
+def test_below_one_a_non_contiguous_gradient_gets_torchs_kernel_and_the_second_pass(kernel_calls: list[float]) -> None:
+    scaler = packed(0.125, None)
+    strided = torch.tensor([[3e38, 1.0], [1.0, 1.0]]).t()  # not contiguous: not for ampscale's kernel
+    _, finite = scaler.unscale([torch.ones(5), strided])
+    assert not bool(finite)  # 3e38 * 8 overflows: the check-only pass of the values written sees it
+    assert kernel_calls == [8.0, 1.0]
+    assert Launches.names() == ["ampscale_step"]  # the contiguous gradient, then the transition
 
 
 def test_a_host_bound_of_at_least_one_skips_the_second_pass(kernel_calls: list[float]) -> None:
@@ -68,13 +81,17 @@ def test_a_host_bound_of_at_least_one_skips_the_second_pass(kernel_calls: list[f
     for _ in range(3):
         scaler = scaler.update(scaler.unscale([torch.full((5,), 8.0)])[1])
     kernel_calls.clear()
+    Launches.log.clear()
     scaler.unscale([torch.ones(3)])
     assert scaler._floor_hint() == 0.5
-    assert kernel_calls == [0.125, 1.0]  # the scale grew to 8, but the bound says it may be below 1
+    # the scale grew to 8, but the bound says it may be below 1: ampscale's kernel, one launch
+    assert kernel_calls == []
+    assert Launches.names() == ["ampscale_step"]
     assert scaler.get_scale() == 8.0  # a read makes the bound exact again
-    kernel_calls.clear()
+    Launches.log.clear()
     scaler.unscale([torch.ones(3)])
     assert kernel_calls == [0.125]
+    assert Launches.names() == ["ampscale_update"]
 
 
 def test_the_fused_path_unscales_each_location_once_and_refuses_before_writing() -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "CacheUnavailable",
     "Entry",
     "InvalidEntry",
+    "build_lock",
     "check_directory",
     "obtain",
     "prepare_directory",
@@ -351,8 +352,10 @@ def write_bytes(path: str, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _build_lock(directory: str, name: str) -> Iterator[None]:
-    """Hold ``directory``'s lock for ``name`` (a no-op where files cannot be locked)."""
+def build_lock(directory: str, name: str) -> Iterator[None]:
+    """Hold ``directory``'s lock for ``name`` (a no-op where files cannot be locked): one
+    builder per name across processes. A caller that builds under it looks at the cache again
+    once it holds the lock, since another process may have built the entry while it waited."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock, every builder writes a whole file
@@ -389,7 +392,7 @@ def obtain(directory: str, name: str, key: str, produce: Callable[[str], None]) 
         entry = read_entry(directory, name, key)
         if entry is not None:
             return entry
-    with _build_lock(directory, name):
+    with build_lock(directory, name):
         try:
             entry = read_entry(directory, name, key)  # built by another process meanwhile?
             if entry is not None:

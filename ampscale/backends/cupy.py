@@ -16,8 +16,24 @@ views of it, and each update writes a new buffer. Where the flag must be known f
 caller's flag, NCCL agreement, underflow counting), the check runs alone and a one-thread
 update kernel follows: one more launch, still no sync.
 
-Contiguous arrays (C or Fortran order) go through the kernel. Strided views are unscaled in
-place by an exact per-array path (several launches each), with a one-time warning.
+Contiguous arrays (C or Fortran order) go through the kernel. A strided view goes through it
+too, by way of a contiguous copy of its bits (copied as unsigned integers, so nothing is
+rounded or flushed), unscaled with the contiguous arrays and copied back: exact, and two more
+launches per view, with a one-time warning.
+
+What is exact on CuPy, and what is not: CuPy compiles every kernel of its own (its ufuncs and
+elementwise kernels: ``*``, ``where``, ``astype``, ...) with ``-ftz=true``, so its float32
+arithmetic flushes subnormal inputs and results to zero. ampscale's kernel never goes through
+CuPy's compiler, so the check and unscale of every gradient (strided views included) and the
+state transition are exact, as on the host. These use CuPy's own operations and so flush
+float32 (and bfloat16, computed in float32) subnormals: ``scale()`` (``loss * scale``: a scaled
+loss below 2**-126 in magnitude becomes 0, where torch keeps it), ``masked_add_`` (the
+optimizer's ``t + alpha * u``), and, only where ampscale's kernels cannot be built or loaded
+(no NVRTC or driver; a warning says so), the eager transition (a scale below 2**-126, or above
+2**126 whose inverse is subnormal, is flushed) and the unscale of every gradient. float16 and
+float64 values are not affected (every float16 value is a normal float32; ``-ftz`` concerns
+float32 only). Underflow counting (``unscale(..., underflow=True)``) is exact all the same: a
+flushed subnormal is still below the smallest normal value.
 
 Streams: a record or chunk table used by a launch on a stream other than the one it was
 allocated on is held until that stream has passed the launch (a CUDA event), so CuPy's pool,
@@ -98,8 +114,17 @@ def _full(value: Any, dtype: Any, device: Any) -> Any:
         return cupy.full((), value, dtype=dtype)
 
 
-#: the transition's operations as plain CuPy calls (the eager path, where NVRTC refused the module)
+#: the transition's operations as plain CuPy calls (the eager path, where NVRTC refused the module);
+#: CuPy compiles them with -ftz=true, so this path flushes a subnormal scale or inverse scale
 _TRANSITION_XP = PlainNamespace(cupy, cupy.bool_, lambda x, dtype: x.astype(dtype), _full)
+#: what the eager path gives, for the warning that says it runs
+_EAGER_RESULTS = (
+    "CuPy compiles its own kernels with -ftz=true, so this path flushes float32 and bfloat16 "
+    "subnormals to zero where ampscale's kernel keeps them: a scale below 2**-126, an inverse "
+    "scale of a scale above 2**126, and subnormal gradient values"
+)
+#: unsigned integers of each item size: strided views are copied through them, bit for bit
+_BITS = {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}
 
 
 class _Kernels:
@@ -143,7 +168,7 @@ def _kernels(config: ScalerConfig, device_id: int) -> _Kernels | None:
             except Exception as exc:  # OSError (no NVRTC), NvrtcError, CuPy's CUDADriverError
                 from ampscale._native.cuda.driver import warn_fallback
 
-                warn_fallback("cupy", f"the kernels could not be built or loaded: {exc}")
+                warn_fallback("cupy", f"the kernels could not be built or loaded: {exc}", results=_EAGER_RESULTS)
                 _modules[source, device_id] = None
         kernels = _modules[source, device_id]
     config._cache[key] = kernels
@@ -190,6 +215,19 @@ class _CupyPacked(PackedState):
         typed = self.buffer if dtype == "float32" else self.buffer.view(_CUPY_DTYPES[dtype])
         view = typed[offset // typed.itemsize]
         return view.view(cupy.bool_) if name in ("finite", "loss_finite") else view
+
+
+def _warn_strided() -> None:
+    global _warned_strided
+    if not _warned_strided:
+        _warned_strided = True
+        warnings.warn(
+            "ampscale: strided (non-contiguous) CuPy gradients are copied to contiguous memory for "
+            "ampscale's kernel and back (exact, two more launches each, and no one-launch step); make "
+            "them contiguous to keep a single launch",
+            PerformanceWarning,
+            stacklevel=6,
+        )
 
 
 def _i64(value: int) -> Any:
@@ -412,10 +450,27 @@ class CupyBackend(Backend, CudaStep):
         rows, strided = self._rows(leaves)
         flags = []
         multiply = inv_scale is not None
+        # Strided views go through ampscale's kernel too (CuPy's own kernels flush subnormals):
+        # a contiguous copy of each view's bits joins the launch, and is copied back after it.
+        copies: list[tuple[Any, Any, Any]] = []
+        elementwise = []
+        for leaf in strided:
+            kind = _KIND_OF.get(leaf.dtype)
+            device_id = leaf.data.device_id
+            if kind is None or _kernels(_DEFAULT_CONFIG, device_id) is None:
+                elementwise.append(leaf)
+                continue
+            _warn_strided()
+            bits = _BITS[leaf.dtype.itemsize]
+            with cupy.cuda.Device(device_id):
+                copy = cupy.empty(leaf.shape, dtype=bits)
+                copy[...] = leaf.view(bits)  # an integer copy: every bit as it is
+            rows.setdefault(device_id, []).append((copy.data.ptr, copy.size, kind))
+            copies.append((leaf, copy, bits))
         for device_id, group in rows.items():
             kernels = _kernels(_DEFAULT_CONFIG, device_id)  # the check kernel is the same in every module
             if kernels is None:
-                strided += [leaf for leaf in leaves if leaf.size and leaf.data.device_id == device_id]
+                elementwise += [leaf for leaf in leaves if leaf.size and leaf.data.device_id == device_id]
                 continue
             with cupy.cuda.Device(device_id):
                 scratch = cupy.zeros(_RECORD_FLOATS, dtype=cupy.float32)
@@ -441,7 +496,11 @@ class CupyBackend(Backend, CudaStep):
                 if foreign:
                     _hold_for_stream((table,))
                 flags.append(scratch[offset_of("found_inf", "float32")[0] // 4])
-        for leaf in strided:
+        if multiply:
+            for leaf, copy, bits in copies:  # queued after the kernel, on the same stream
+                with cupy.cuda.Device(leaf.data.device_id):
+                    leaf.view(bits)[...] = copy
+        for leaf in elementwise:
             flags.append(self._strided(leaf, inv_scale))
         if not flags:
             like = leaves[0] if leaves else None
@@ -453,16 +512,9 @@ class CupyBackend(Backend, CudaStep):
         return leaves, total == 0
 
     def _strided(self, leaf: Any, inv_scale: Any) -> Any:
-        """Exact per-array path for strided views (and dtypes the kernel lacks): in place."""
-        global _warned_strided
-        if not _warned_strided:
-            _warned_strided = True
-            warnings.warn(
-                "ampscale: strided (non-contiguous) CuPy gradients are unscaled by a slower per-array "
-                "path; make them contiguous to use the single fused kernel",
-                PerformanceWarning,
-                stacklevel=5,
-            )
+        """The unscale in CuPy's own operations, in place, where ampscale's kernels cannot run (not
+        built or loaded): exact for float16 and float64, but CuPy compiles with ``-ftz=true``, so
+        float32 and bfloat16 subnormals (inputs and products) are flushed to zero."""
         with cupy.cuda.Device(leaf.device.id):
             wide = leaf.astype(cupy.float32) if leaf.dtype.itemsize < 4 else leaf
             if inv_scale is not None:

@@ -20,10 +20,14 @@ updated by the shared transition as tensor operations, asynchronously.
 On CUDA the state is one packed record (:mod:`ampscale._native.cuda._packed`) and a step is
 torch's fused kernel writing into the record's scratch, then one launch of ampscale's kernels
 (the update, or the check of bfloat16 gradients and the loss with the transition in its last
-block). A record or chunk table used on a stream other than the one it was allocated on gets
-``record_stream`` for that stream. Under CUDA graph capture the functional step raises (each
-step writes a new record, so a replay would repeat the captured step); the drop-in
-``GradScaler``'s update is one in-place kernel on fixed buffers instead.
+block); while the host's bound of the scale is below 1 it is one launch of ampscale's kernel
+for every contiguous gradient (it checks the values it writes, where torch's kernel would need
+a second pass). A record or chunk table used on a stream other than the one it was allocated on gets
+``record_stream`` for that stream. Under CUDA graph capture every step raises before any work:
+the functional step writes a new record per step, so a replay would repeat the captured step;
+the drop-in ``GradScaler``'s update is one in-place kernel on fixed buffers, but its scale's
+host bound and its per-optimizer flags live in Python, where a replay does not reach, so it
+refuses capture too (``ampscale._torch_scaler``).
 """
 
 from __future__ import annotations
@@ -651,17 +655,28 @@ def _packed_from_fields(fields: ScalerState, config: ScalerConfig) -> _TorchPack
 
 
 def _cuda_plan(
-    leaves: list[Any], loss: Any, device: torch.device
+    leaves: list[Any], loss: Any, device: torch.device, every_dtype: bool = False
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], torch.Tensor | None] | None:
     """How a one-launch step covers ``leaves`` and ``loss`` on ``device``: the groups for torch's
-    kernel (one per dtype but bfloat16), the bfloat16 tensors for ampscale's kernel, the loss;
-    ``None`` when it cannot (another device, sparse or non-contiguous bfloat16, ...)."""
+    kernel (one per dtype but bfloat16), the tensors for ampscale's kernel (bfloat16 ones), the
+    loss; ``None`` when it cannot (another device, sparse or non-contiguous bfloat16, ...).
+
+    ``every_dtype``: ampscale's kernel takes every contiguous tensor, whatever its dtype, and
+    torch's kernel only the non-contiguous ones. Used while the scale may be below 1: torch's
+    kernel tests its inputs, so it would need a second, check-only pass over the values it
+    wrote (a finite value can overflow when divided by a scale below 1), where ampscale's
+    kernel tests the values it stores in the same pass, with the same bits written.
+    """
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    own: list[torch.Tensor] = []
     for leaf in leaves:
         if leaf.device != device or leaf.is_sparse or leaf.dtype not in _KIND_CODES:
             return None
-        groups.setdefault(leaf.dtype, []).append(leaf)
-    own = groups.pop(torch.bfloat16, [])
+        if every_dtype and leaf.is_contiguous():
+            own.append(leaf)
+        else:
+            groups.setdefault(leaf.dtype, []).append(leaf)
+    own += groups.pop(torch.bfloat16, [])
     if any(not t.is_contiguous() for t in own):
         return None
     if loss is not None and (
@@ -1201,7 +1216,12 @@ class TorchBackend(Backend, CudaStep):
         module = _cuda_module(config, device)
         # every memory location once, and refusals before anything changes (as check_and_unscale)
         distinct = _distinct_memory(list(leaves), config.scales)
-        plan = _cuda_plan(distinct, loss, device)
+        # While the scale may be below 1 (a host bound, no device read), ampscale's kernel
+        # checks and unscales every contiguous gradient: one launch, where torch's kernel would
+        # need a second pass to check what it wrote, and then the update (three launches)
+        inv = state.view("inv_scale")
+        below_one = config.scales and _may_overflow(inv, scale_floor)
+        plan = _cuda_plan(distinct, loss, device, every_dtype=below_one)
         if module is None or plan is None:
             return None
         torch_groups, own, loss_tensor = plan
@@ -1220,16 +1240,17 @@ class TorchBackend(Backend, CudaStep):
             with _no_grad():
                 # torch's own kernel (GradScaler's), its flag pointed at the record's scratch; it
                 # checks the inputs, so while the scale may be below 1 a check-only pass of the
-                # values written follows (ampscale's kernel checks what it writes)
-                found_inf, inv = scratch.view("found_inf"), state.view("inv_scale")
-                written = self.constant(1.0, device) if _may_overflow(inv, scale_floor) else None
+                # values written follows (only non-contiguous gradients are left to it then)
+                found_inf = scratch.view("found_inf")
+                written = self.constant(1.0, device) if below_one else None
                 for group in torch_groups:
                     torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
                     if written is not None:
                         torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, written)
         if grad_chunks + loss_chunks:
-            # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA) and the
-            # loss, then the transition in its last block
+            # ampscale's kernel: bfloat16 gradients (torch's kernel has none on CUDA), every
+            # contiguous gradient while the scale may be below 1, and the loss; then the
+            # transition in its last block
             options = (_plan.MULTIPLY if config.scales else 0) | _plan.TAIL
             nxt = self.new_record(state)
             module.launch(

@@ -58,15 +58,19 @@ def unavailable_reason() -> str | None:
         return reason
 
 
-def warn_fallback(framework: str, reason: str, stacklevel: int = 4) -> None:
-    """One :class:`PerformanceWarning` per process and framework: the eager path runs, and why."""
+def warn_fallback(framework: str, reason: str, stacklevel: int = 4, results: str = "the same results") -> None:
+    """One :class:`PerformanceWarning` per process and framework: the eager path runs, and why.
+
+    ``results``: how the eager path's results compare with the kernels' (CuPy's own kernels
+    flush subnormals: see :mod:`ampscale.backends.cupy`).
+    """
     with _lock:
         if framework in _warned:
             return
         _warned.add(framework)
     warnings.warn(
         f"ampscale: the one-launch CUDA step is not available for {framework} ({reason}); the state "
-        "update runs as eager array operations instead (the same results, more kernel launches per step)",
+        f"update runs as eager array operations instead ({results}, more kernel launches per step)",
         PerformanceWarning,
         stacklevel=stacklevel,
     )

@@ -171,6 +171,14 @@ ffi::Error check_and_unscale_cuda(CUstream stream, int32_t ordinal, ffi::BufferR
 
 #pragma GCC visibility push(default)
 
+// No FFI traits are declared, so XLA runs the call outside its command buffers (CUDA graphs): a
+// jitted step runs as a graph before the call and another after it. The handler itself would
+// survive a replay (it allocates nothing, waits for nothing, and its launches and copies read
+// only the addresses XLA passes, which XLA's traced command buffers key on), so
+// XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE could be declared. It is not, because XLA
+// would then record the call by stream capture and replay the recording, a path of XLA's that
+// no GPU run has exercised with this handler: declaring it waits for a GPU run that measures
+// what the split graphs cost and checks the replayed results.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ampscale_check_and_unscale_v1_cuda, check_and_unscale_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()

@@ -22,7 +22,14 @@
 #ifndef AMPSCALE_JAX_KERNEL_PARAMS
 #define AMPSCALE_JAX_KERNEL_PARAMS
 
-#define AMPSCALE_JAX_LEAVES 128      // buffers per launch: the table below is 3,088 bytes
+// Buffers per launch: the table below is 3,088 bytes. Not raised, although CUDA 12.1+ drivers
+// take up to 32,764 bytes of parameters on Volta and later (about 1,300 buffers): a call never
+// holds more than ampscale.backends._jax_custom_call.GROUP = 128 leaves (XLA's compile time
+// grows faster than linearly with one call's aliased results: 2,000 in one call took about 40 s
+// on the CPU), so every call is already one flag launch and one table launch, and a larger table
+// would save none. It would also need a driver check and a second table layout, a path no GPU
+// has run. Raise it together with GROUP, if the GPU run shows XLA:GPU compiling large calls fast.
+#define AMPSCALE_JAX_LEAVES 128
 #define AMPSCALE_JAX_CHUNK 65536LL  // elements per block
 #define AMPSCALE_JAX_THREADS 512     // threads per block
 

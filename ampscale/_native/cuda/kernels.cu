@@ -387,8 +387,9 @@ AMPSCALE_HD inline int ampscale_read_flag(const void* flag, long long kind) {
 // The drop-in GradScaler's update, in place: the scale and the growth tracker are torch's own
 // tensors (read and written through their pointers, as torch's _amp_update_scale_ does), every
 // other field lives in `record`, which is rewritten whole (the transition computes every output
-// before the first store, so in and out may be one record). Fixed buffers, so a CUDA graph can
-// capture it.
+// before the first store, so in and out may be one record). The kernel touches only these fixed
+// buffers, but the drop-in refuses CUDA graph capture all the same: its host side (the scale's
+// lower bound, the per-optimizer flags) would not move on a replay.
 AMPSCALE_HD inline void ampscale_update_in_place(void* scale, int* growth_tracker, struct ampscale_State* record,
                                                  const void* finite_flag, long long finite_kind, const void* loss_flag,
                                                  long long loss_kind) {

@@ -205,12 +205,32 @@ def _valid_image(image: bytes, kind: str) -> bool:
     return len(image) > 1 and image.endswith(b"\0") and b".version" in image
 
 
+def _cached(directory: str, key: str) -> tuple[bytes, str] | None:
+    """The verified cubin or PTX for ``key`` in the checked cache ``directory``; ``None`` if there
+    is none. A truncated, foreign or malformed entry is removed (it is then built again)."""
+    for kind in ("cubin", "ptx"):
+        entry_name = f"{key}.{kind}"
+        try:
+            entry = _cache.read_entry(directory, entry_name, entry_name)
+        except _cache.InvalidEntry:
+            entry = None
+            _cache.remove_entry(directory, entry_name)  # truncated, empty or foreign: built again
+        if entry is not None:
+            with entry:
+                if _valid_image(entry.payload, kind):
+                    return entry.payload, kind
+            _cache.remove_entry(directory, entry_name)
+    return None
+
+
 def compiled(source: str, arch: int, options: Sequence[str] = (), name: str = "ampscale.cu") -> tuple[bytes, str]:
     """:func:`compile_source`, through the disk cache (keyed by source, options, arch, NVRTC).
 
     The cache is :mod:`ampscale._native._cache`: a directory another user could write is not
     used, an entry is checked (size, hash, key, a whole cubin or PTX image) before it reaches
-    the driver, a bad one is removed and compiled again once, and writes are atomic. Where the
+    the driver, a bad one is removed and compiled again once, and writes are atomic. On a cold
+    cache one process compiles a source while the others wait for its entry (the build lock is
+    taken before NVRTC runs, and the cache read again under it). Where the
     cache cannot be used (not the user's, unwritable, a full disk) the binary is compiled in
     memory for this process only (:data:`last_cache_problem` says why).
 
@@ -233,27 +253,34 @@ def compiled(source: str, arch: int, options: Sequence[str] = (), name: str = "a
 
     try:
         directory = _cache.prepare_directory(str(cache_dir()))
-        for kind in ("cubin", "ptx"):
-            entry_name = f"{key}.{kind}"
-            try:
-                entry = _cache.read_entry(directory, entry_name, entry_name)
-            except _cache.InvalidEntry:
-                entry = None
-                _cache.remove_entry(directory, entry_name)  # truncated, empty or foreign: built again
-            if entry is not None:
-                with entry:
-                    if _valid_image(entry.payload, kind):
-                        last_cache_problem = None
-                        return entry.payload, kind
-                _cache.remove_entry(directory, entry_name)
-        image, kind = build()
-        with _cache.obtain(
-            directory, f"{key}.{kind}", f"{key}.{kind}", lambda path: _cache.write_bytes(path, image)
-        ) as entry:
-            if not _valid_image(entry.payload, kind):  # a valid trailer over a bad image: never ours
-                raise _cache.CacheError(f"{entry.path} holds a malformed {kind} image")
+        found = _cached(directory, key)
+        if found is not None:
             last_cache_problem = None
-            return entry.payload, kind
+            return found
+        # The build lock first, then NVRTC: on a cold cache every process that needs this module
+        # (pytest-xdist's workers, a job's ranks) would otherwise compile it at once, each about
+        # a second of CPU. The lock is the key's (not one entry's: the kind, cubin or PTX, is
+        # known only after the compile), and the cache is read again under it, since another
+        # process may have built the entry while this one waited.
+        with _cache.build_lock(directory, key):
+            found = _cached(directory, key)
+            if found is not None:
+                last_cache_problem = None
+                return found
+            image, kind = build()
+            name_of_entry = f"{key}.{kind}"
+            _cache.publish(directory, name_of_entry, name_of_entry, lambda path: _cache.write_bytes(path, image))
+            try:
+                entry = _cache.read_entry(directory, name_of_entry, name_of_entry)
+            except _cache.InvalidEntry as exc:
+                raise _cache.CacheError(f"the entry just written does not verify: {exc}") from exc
+            if entry is None:
+                raise _cache.CacheError(f"{name_of_entry} vanished right after it was written")
+            with entry:
+                if not _valid_image(entry.payload, kind):  # a valid trailer over a bad image: never ours
+                    raise _cache.CacheError(f"{entry.path} holds a malformed {kind} image")
+                last_cache_problem = None
+                return entry.payload, kind
     except _cache.CacheError as exc:  # no cache (CacheUnavailable included): compile in memory
         last_cache_problem = str(exc)
         return build()
