@@ -15,6 +15,7 @@ import numpy as np
 
 from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
+from ampscale.fp8._distributed import UNSET, check_group, reduce_amax, resolve_group
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of, namespace_of
 from ampscale.fp8._transition import Fp8State, initial_state_values
 from ampscale.fp8._update import device_of, ops_of, update_state
@@ -161,22 +162,30 @@ class Fp8Scaler:
             return ops.xp.tensor(float(a), dtype=ops.xp.float32, device=ops.device)
         return ops.xp.asarray(float(a), dtype=ops.xp.float32)
 
-    def update(self, amax: Any, step_ok: Any = True) -> Fp8Scaler:
+    def update(self, amax: Any, step_ok: Any = True, *, group: Any = UNSET) -> Fp8Scaler:
         """The scaler after one optimizer step whose amaxes were ``amax``.
 
         Args:
-            amax: ``[N]`` float32 array of the state's framework (max over micro-batches and
-                ranks: see :func:`ampscale.fp8.combine_amax` and :func:`ampscale.fp8.reduce_amax`),
-                a list of N values, or a dict slot -> value.
+            amax: ``[N]`` float32 array of the state's framework (max over micro-batches: see
+                :func:`ampscale.fp8.combine_amax`), a list of N values, or a dict slot -> value.
             step_ok: whether the loss scaler applied this step (a bool or 0-d bool array; the
                 ``finite`` of ``Scaler.unscale``). With ``on_skipped_step="freeze"`` a skipped
                 step changes no scale and no history.
+            group: the ranks or devices whose amaxes are reduced (max, nan kept) before the
+                update, in one collective (see :func:`ampscale.fp8.reduce_amax`): a torch
+                process group or ``"world"``, JAX axis name(s), a CuPy NCCL communicator, a
+                callable, or ``None`` (this rank's own). Required while ``torch.distributed``
+                runs with several ranks or the amaxes vary over mapped JAX axes.
 
         Raises:
-            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots;
-                nothing is changed.
+            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots,
+                or a distributed run without ``group``; nothing is changed.
         """
         vector = self._amax_vector(amax)
+        group = resolve_group(group, vector)
+        check_group(group, self.framework)
+        if group is not None:
+            vector = reduce_amax(vector, group)
         state, _updated = update_state(self.config, self.state, vector, step_ok)
         return Fp8Scaler(self.config, state)
 
