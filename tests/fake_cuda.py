@@ -77,6 +77,9 @@ def harness_for_source(source: str, directory: pathlib.Path | None = None) -> ct
             partial.replace(lib)
             cpp.unlink()
         so = ctypes.CDLL(str(lib))
+        _builds[source] = so
+        if not hasattr(so, "ampscale_host_step"):  # another module (the FP8 update): see run_kernel
+            return so
         p, q = ctypes.c_void_p, ctypes.c_longlong
         so.ampscale_host_step.argtypes = [p, q, ctypes.c_ulonglong, q, q, q, ctypes.c_float, p, p, p, q, ctypes.c_int]
         so.ampscale_host_step.restype = ctypes.c_int
@@ -112,6 +115,13 @@ def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None
     elif name == "ampscale_update_fields":
         assert grid == 1
         so.ampscale_host_update_fields(*params)
+    elif hasattr(so, f"{name}_host"):
+        # a kernel whose source carries its own harness, ``{name}_host(grid, *params)``, with
+        # every parameter 8 bytes (pointers and long long), e.g. ampscale_fp8_update
+        host = getattr(so, f"{name}_host")
+        host.argtypes = [ctypes.c_longlong, *([ctypes.c_ulonglong] * len(params))]
+        host.restype = None
+        host(grid, *(int(value) & 0xFFFFFFFFFFFFFFFF for value in params))
     else:  # pragma: no cover
         raise AssertionError(f"unknown kernel {name}")
 
