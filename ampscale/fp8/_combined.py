@@ -32,8 +32,8 @@ from ampscale._scaler import Scaler, _probe_leaves
 from ampscale.backends import backend_of_leaves, get_backend
 from ampscale.fp8._distributed import UNSET, check_group, reduce_with_flags, resolve_group
 from ampscale.fp8._ops import framework_of, namespace_of
-from ampscale.fp8._scaler import Fp8Scaler
-from ampscale.fp8._update import ops_of, update_state
+from ampscale.fp8._scaler import Fp8Scaler, update_state
+from ampscale.fp8._update import ops_of
 
 __all__ = ["Fp8Step", "unscale_and_update"]
 

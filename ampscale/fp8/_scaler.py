@@ -13,16 +13,34 @@ from typing import Any
 
 import numpy as np
 
+from ampscale.fp8 import _cuda
 from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
 from ampscale.fp8._distributed import UNSET, check_group, reduce_amax, resolve_group
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of, namespace_of
 from ampscale.fp8._transition import Fp8State, initial_state_values
-from ampscale.fp8._update import device_of, ops_of, update_state
+from ampscale.fp8._update import device_of, ops_of
+from ampscale.fp8._update import update_state as array_update_state
 
 __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
 
 BACKENDS = ("numpy", "jax", "torch", "cupy")
+
+
+def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
+    """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
+
+    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step. On
+    CuPy and on torch's CUDA tensors: one launch of the emitted C transition
+    (:mod:`ampscale.fp8._cuda`); elsewhere, and where that kernel cannot be built, the
+    transition's array operations. No host read either way.
+    """
+    framework = framework_of(state.scale)
+    if framework == "cupy" or (framework == "torch" and _cuda.is_torch_cuda(state.scale)):
+        fast = (_cuda.update_cupy if framework == "cupy" else _cuda.update_torch)(config, state, amax, step_ok)
+        if fast is not None:
+            return fast
+    return array_update_state(config, state, amax, step_ok)
 
 
 def _namespace_backend(backend: Any) -> Any:

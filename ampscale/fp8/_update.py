@@ -10,7 +10,6 @@ import functools
 from typing import Any
 
 from ampscale._config import INT32_MAX
-from ampscale.fp8 import _cuda
 from ampscale.fp8._config import Fp8Config
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of, namespace_of
 from ampscale.fp8._transition import Fp8Slot, Fp8State, slot_transition
@@ -39,16 +38,10 @@ def ops_of(config: Fp8Config, array: Any) -> Fp8ArrayOps:
 def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
     """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
 
-    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step. On
-    CuPy and on torch's CUDA tensors it is one launch of the emitted C transition
-    (:mod:`ampscale.fp8._cuda`); elsewhere the transition's array operations.
+    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step. The
+    transition's array operations, on any device; :func:`ampscale.fp8.update_state` runs the
+    one-launch CUDA kernel instead where the state is on a GPU.
     """
-    framework = framework_of(state.scale)
-    if framework == "cupy" or (framework == "torch" and _cuda.is_torch_cuda(state.scale)):
-        # one launch of the emitted C transition (None: the kernel cannot run here)
-        fast = (_cuda.update_cupy if framework == "cupy" else _cuda.update_torch)(config, state, amax, step_ok)
-        if fast is not None:
-            return fast
     ops = ops_of(config, state.scale)
     slot = Fp8Slot(state.scale, state.scale_inv, state.history, state.filled, state.zero_amax, state.nonfinite)
     fp8_max = ops.array(list(config.slot_max), "float32")
