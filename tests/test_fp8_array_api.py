@@ -90,3 +90,25 @@ def test_the_scaler_on_array_api_strict_updates_casts_nothing_and_round_trips_ch
         f8.update(np.float32([1.0, 1.0, 1.0]))
     with pytest.raises(ValueError, match=r"backend must be one of .* or an array-API namespace"):
         fp8.create_fp8_scaler("te_delayed", SLOTS, backend="not_a_namespace")
+
+
+def test_the_combined_step_on_array_api_strict_with_a_callable_group():
+    import ampscale
+
+    seen = []
+
+    def group(buffer):  # one "collective": a callable that sees the whole buffer
+        seen.append(buffer.shape)
+        return buffer
+
+    scaler = ampscale.create_scaler(backend=xp, init_scale=4.0)
+    f8 = fp8.create_fp8_scaler("te_delayed", {"x": "forward", "dy": "backward"}, backend=xp, history_len=2)
+    outcomes = []
+    for gradient in (1.0, np.inf):
+        grads = [xp.asarray([8.0 * gradient, 4.0], dtype=xp.float32)]
+        amax = xp.asarray([2.0, 3.0], dtype=xp.float32)
+        step = fp8.unscale_and_update(scaler, f8, grads, amax, loss=xp.asarray(8.0, dtype=xp.float32), group=group)
+        scaler, f8 = step.scaler, step.fp8_scaler
+        outcomes.append((bool(step.finite), scaler.get_scale(), f8.scales_sync()["x"]))
+    assert seen == [(6,), (6,)]  # 2 amaxes, 2 nan flags, the gradients' and the loss's flags
+    assert outcomes == [(True, 4.0, 224.0), (False, 2.0, 224.0)]

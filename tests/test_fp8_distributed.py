@@ -240,3 +240,73 @@ def test_reduce_amax_with_a_callable_group_keeps_nan_where_the_max_drops_it() ->
         fp8.reduce_amax(np.zeros((2, 1), np.float32), None)
     with pytest.raises(TypeError, match=r"group must be None, a callable .* got 'world' for numpy arrays"):
         fp8.reduce_amax(np.float32([1.0]), "world")
+
+
+# ------------------------------------------------------------------------------ CuPy and NCCL
+
+
+def test_cupy_one_nccl_all_reduce_per_update_with_nan_kept(monkeypatch) -> None:
+    """Over the fake CuPy: ``Fp8Scaler.update(group=communicator)`` makes one NCCL all-reduce
+    (MAX, float32, in place, on the current stream) of amaxes and nan flags; a second rank
+    (played by the communicator) with a larger amax and a nan reaches the state."""
+    import ctypes
+    import types
+
+    import ampscale.fp8 as fp8
+    from ampscale.fp8 import _cuda
+    from tests.fake_cuda import Launches, cupy_on_host
+
+    monkeypatch.setattr(_cuda, "_cupy_functions", {})
+    _cuda._cupy_fp8_max.cache_clear()
+    calls = []
+
+    class NcclCommunicator:
+        def allReduce(self, send, receive, count, dtype, op, stream):
+            calls.append((send == receive, count, dtype, op, stream))
+            mine = np.ctypeslib.as_array((ctypes.c_float * count).from_address(receive))
+            other = np.float32([5.0, 0.0, 0.0, 1.0])  # the other rank: amaxes 5 and nan (as 0 + its flag)
+            mine[:] = np.maximum(mine, other)
+
+    with cupy_on_host(monkeypatch) as (cp, _module):
+        cp.cuda.nccl = types.SimpleNamespace(NCCL_FLOAT32=7, NCCL_MAX=2)
+        monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)  # for `from cupy.cuda import nccl`
+        for name in ("concatenate", "where", "zeros_like", "full"):  # the fake returns NumPy arrays there
+            function = getattr(np, name)
+            monkeypatch.setattr(cp, name, lambda *a, f=function, **k: f(*a, **k).view(cp.ndarray), raising=False)
+        with cp.cuda.Stream() as stream:
+            f8 = fp8.create_fp8_scaler("ampscale", ["a", "b"], backend="cupy", history_len=2)
+            before = len(Launches.log)
+            f8 = f8.update(cp.asarray(np.float32([1.0, 2.0])), group=NcclCommunicator())
+        assert calls == [(True, 4, 7, 2, stream.ptr)]
+        assert [name for name, _, _ in Launches.log[before:]] == [_cuda.KERNEL]
+        assert np.asarray(f8.state.history).tolist() == [[0.0, 5.0], [0.0, 0.0]]
+        assert np.asarray(f8.state.nonfinite).tolist() == [0, 1]  # the other rank's nan, counted here
+        with pytest.raises(TypeError, match=r"group must be None, a callable .* got 'world' for cupy arrays"):
+            f8.update(cp.asarray(np.float32([1.0, 2.0])), group="world")
+
+        # with the loss scaler: still one all-reduce, now of 2 amaxes, 2 nan flags and 2 found-infs;
+        # the other rank's gradients overflowed (its found-inf, the fifth value, is 1)
+        calls.clear()
+
+        class OverflowingRank(NcclCommunicator):
+            def allReduce(self, send, receive, count, dtype, op, stream):
+                calls.append((send == receive, count, dtype, op, stream))
+                mine = np.ctypeslib.as_array((ctypes.c_float * count).from_address(receive))
+                mine[:] = np.maximum(mine, np.float32([0.0, 0.0, 0.0, 0.0, 1.0, 0.0]))
+
+        import ampscale
+
+        scaler = ampscale.create_scaler(backend="cupy", init_scale=4.0)
+        grads = [cp.asarray(np.full(3, 8.0, np.float32))]
+        step = fp8.unscale_and_update(
+            scaler,
+            f8,
+            grads,
+            cp.asarray(np.float32([3.0, 1.0])),
+            loss=cp.asarray(np.float32(12.0)),
+            group=OverflowingRank(),
+        )
+        assert [c[1] for c in calls] == [6]
+        assert not bool(step.finite)
+        assert step.scaler.get_scale() == 2.0
+        assert np.asarray(step.fp8_scaler.state.history).tolist() == np.asarray(f8.state.history).tolist()  # frozen

@@ -223,7 +223,8 @@ def check_group(group: Any, framework: str) -> None:
 
 
 def _is_nccl_communicator(group: Any) -> bool:
-    return type(group).__name__ == "NcclCommunicator" and hasattr(group, "allReduce")
+    # CuPy's NcclCommunicator, or anything that all-reduces like it (read by its method)
+    return callable(getattr(group, "allReduce", None))
 
 
 def reduce_with_flags(amax: Any, flags: Sequence[Any], group: Any) -> tuple[Any, list[Any]]:
