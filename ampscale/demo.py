@@ -365,6 +365,7 @@ def _train_bfloat16(
 ) -> RunResult:
     """One of :data:`FP8_MODES`: bfloat16 everywhere, the products' operands in FP8 or not."""
     import ampscale.fp8 as fp8
+    from ampscale.fp8._amax import _amaxes
 
     if ar.to_bfloat16 is None:
         raise ValueError(f"the FP8 runs train with numpy, torch or jax; got --backend {ar.name}")
@@ -378,13 +379,13 @@ def _train_bfloat16(
     current = {
         slot: fp8.create_fp8_scaler("te_current", {slot: role}, backend=ar.name) for slot, role in FP8_SLOTS.items()
     }
-    amaxes: dict[str, Any] = {}
+    seen: dict[str, Any] = {}
 
     def cast(value: Any, slot: str) -> Any:
-        amaxes[slot] = fp8.tensor_amax(value)
         if mode == "bf16 + fp8 current":  # the scale of this tensor's own amax, then the cast
-            current[slot] = current[slot].update([amaxes[slot]])
+            current[slot] = current[slot].update([fp8.tensor_amax(value)])
             return current[slot].qdq(value, 0)
+        seen[slot] = value  # its amax is wanted only by the update, after the step
         return delayed.qdq(value, slot)  # the scale of the amaxes of the previous steps
 
     rng = np.random.default_rng(seed + 2)
@@ -399,7 +400,8 @@ def _train_bfloat16(
                 ar, params, x, target, False, 1.0, rounding=rounding, fp8=None if mode == "bf16" else cast
             )
             if mode == "bf16 + fp8 delayed":  # one update of every slot per step, with the step's flag
-                scaler, delayed, grads, finite = fp8.unscale_and_update(scaler, delayed, grads, amaxes)
+                amax = _amaxes([seen[slot] for slot in FP8_SLOTS])  # every tensor's amax in one call
+                scaler, delayed, grads, finite = fp8.unscale_and_update(scaler, delayed, grads, amax)
             else:
                 grads, finite = scaler.unscale(grads)
                 scaler = scaler.update(finite)

@@ -319,3 +319,29 @@ def test_a_nan_micro_batch_survives_the_accumulation() -> None:
     f8 = fp8.create_fp8_scaler("ampscale", ["a", "b"], history_len=2).update(acc)
     assert f8.state.nonfinite.tolist() == [0, 1]  # counted, not written, the scale kept
     assert f8.state.history[1].tolist() == [0.0, 0.0]
+
+
+def test_the_amaxes_of_many_tensors_in_one_call() -> None:
+    """``_amaxes``, the one place a fused multi-tensor pass replaces: per tensor, in order,
+    nan if it holds a nan, else inf if it holds an inf, 0 for an empty one."""
+    from ampscale.fp8._amax import _amaxes
+
+    leaves = [
+        np.float32([[1.0, -7.0], [2.0, 3.0]]),
+        np.float16([np.inf, 1.0]),
+        np.float32([np.nan, np.inf]),
+        np.zeros(0, np.float32),
+        np.float64([-0.5]),
+    ]
+    got = _amaxes(leaves)
+    assert got.dtype == np.float32
+    assert ["nan" if v != v else v for v in got.tolist()] == [7.0, INF, "nan", 0.0, 0.5]
+    torch = pytest.importorskip("torch")
+    assert _amaxes([torch.tensor([1.0, -2.0]), torch.tensor([3.0])]).tolist() == [2.0, 3.0]
+    with pytest.raises(TypeError, match="tensor 1 is a Tensor"):
+        _amaxes([np.float32([1.0]), torch.tensor([1.0])])
+    with pytest.raises(ValueError, match="at least one tensor"):
+        _amaxes([])
+    xp = pytest.importorskip("array_api_strict")
+    got = _amaxes([xp.asarray([1.0, NAN], dtype=xp.float32), xp.asarray([-4.0], dtype=xp.float32)])
+    assert ["nan" if v != v else v for v in np.from_dlpack(got).tolist()] == ["nan", 4.0]
