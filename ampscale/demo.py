@@ -16,6 +16,17 @@ residuals fall below about ``2**-8``, that is below float16's smallest step (``2
 with values under ``2**-25`` rounding to zero): unscaled fp16 training stops learning, while
 the scaled gradients stay representable and ampscale tracks fp32. Everything is seeded and
 runs on the CPU; ``--backend`` runs the same loop with JAX, PyTorch or CuPy arrays.
+
+``--fp8`` adds three runs of the same model in bfloat16, two of them with FP8 matrix products
+(emulated: every operand of a product is cast to FP8 and back, E4M3 forward and E5M2 for the
+gradients, as on an H100):
+
+* **bf16**: every value rounded to bfloat16 (no loss scaling needed: ``mode="guard"`` only
+  skips non-finite steps);
+* **bf16 + fp8 delayed**: each tensor cast with the scale of ``ampscale.fp8``'s ``te_delayed``
+  preset, computed from the amaxes of the previous steps (one update per step, with the loss
+  scaler's flag: ``ampscale.fp8.unscale_and_update``);
+* **bf16 + fp8 current**: each tensor cast with the scale of its own amax (``te_current``).
 """
 
 from __future__ import annotations
@@ -40,6 +51,10 @@ __all__ = ["RunResult", "main", "run_demo", "train"]
 
 INPUTS, HIDDEN, OUTPUTS = 32, 128, 512
 MODES = ("fp32", "fp16", "fp16 + ampscale")
+#: the runs ``--fp8`` adds
+FP8_MODES = ("bf16", "bf16 + fp8 delayed", "bf16 + fp8 current")
+#: the FP8 tensors of one step: operands of the forward products (E4M3), then of the backward's (E5M2)
+FP8_SLOTS = {"x": "forward", "w1": "forward", "h": "forward", "w2": "forward", "dy": "backward", "dh": "backward"}
 #: steps per run: the default, and the fewest that leave room for the scale to settle
 DEFAULT_STEPS, MIN_STEPS = 1000, 20
 
@@ -69,15 +84,31 @@ def round_to_half_numpy(x: np.ndarray) -> np.ndarray:
     return result
 
 
+def round_to_bfloat16_numpy(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32) rounded to the nearest bfloat16 value, ties to even, kept as float32.
+
+    bfloat16 is the upper half of a float32: add half of the dropped half (plus the kept
+    half's lowest bit, for ties to even) and clear it. Infinities stay, nan stays nan, and
+    values past bfloat16's largest round to inf, as ``astype(ml_dtypes.bfloat16)`` does.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    odd = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + np.uint32(0x7FFF) + odd) & np.uint32(0xFFFF0000)).view(np.float32)
+    result: np.ndarray = np.where(np.isnan(x), x, rounded)
+    return result
+
+
 @dataclasses.dataclass
 class Arithmetic:
-    """The array namespace of one backend and how it rounds to float16."""
+    """The array namespace of one backend and how it rounds to float16 and bfloat16."""
 
     name: str
     xp: Any
     to_half_precision: Callable[[Any], Any]
     asarray: Callable[[np.ndarray], Any]
     to_float: Callable[[Any], float]
+    to_bfloat16: Callable[[Any], Any] | None = None
 
 
 def arithmetic_for(backend: str) -> Arithmetic:
@@ -98,13 +129,18 @@ def _arithmetic_for(backend: str) -> Arithmetic:
     if backend == "numpy":
         import array_api_compat.numpy as xp
 
-        return Arithmetic("numpy", xp, round_to_half_numpy, np.asarray, float)
+        return Arithmetic("numpy", xp, round_to_half_numpy, np.asarray, float, round_to_bfloat16_numpy)
     if backend == "torch":
         import array_api_compat.torch as xp
         import torch
 
         return Arithmetic(
-            "torch", xp, lambda x: x.half().float(), lambda a: torch.from_numpy(np.array(a)), lambda v: float(v)
+            "torch",
+            xp,
+            lambda x: x.half().float(),
+            lambda a: torch.from_numpy(np.array(a)),
+            lambda v: float(v),
+            lambda x: x.bfloat16().float(),
         )
     if backend == "jax":
         import jax
@@ -112,7 +148,12 @@ def _arithmetic_for(backend: str) -> Arithmetic:
 
         jax.config.update("jax_default_matmul_precision", "highest")
         return Arithmetic(
-            "jax", jnp, lambda x: x.astype(jnp.float16).astype(jnp.float32), jnp.asarray, lambda v: float(v)
+            "jax",
+            jnp,
+            lambda x: x.astype(jnp.float16).astype(jnp.float32),
+            jnp.asarray,
+            lambda v: float(v),
+            lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
         )
     if backend == "cupy":
         import array_api_compat.cupy as xp
@@ -151,28 +192,42 @@ def student(teacher: list[np.ndarray], seed: int) -> list[np.ndarray]:
 
 
 def loss_and_grads(
-    ar: Arithmetic, params: list[Any], x: Any, target: Any, half: bool, scale: float
+    ar: Arithmetic,
+    params: list[Any],
+    x: Any,
+    target: Any,
+    half: bool,
+    scale: float,
+    rounding: Callable[[Any], Any] | None = None,
+    fp8: Callable[[Any, str], Any] | None = None,
 ) -> tuple[Any, list[Any]]:
     """Forward and backward pass, every value rounded to float16 when ``half``.
 
     Returns the (unscaled) loss and the gradients of ``scale * loss``, as float32 master
     gradients. The gradient seed ``2 * scale * residual / n`` is rounded to float16 *after*
     the multiplication by the scale: that is what rescues small values.
+
+    ``rounding`` replaces float16 (bfloat16 runs); ``fp8(value, slot)`` casts each operand of a
+    matrix product (the slots of :data:`FP8_SLOTS`) to FP8 and back.
     """
     xp = ar.xp
-    q = ar.to_half_precision if half else (lambda v: v)
+    q = rounding or (ar.to_half_precision if half else (lambda v: v))
+    cast = fp8 or (lambda v, slot: v)
     w1, b1, w2, b2 = (q(p) for p in params)
     x = q(x)
-    hidden = q(xp.tanh(q(x @ w1 + b1)))
-    output = q(hidden @ w2 + b2)
+    x8, w1_8, w2_8 = cast(x, "x"), cast(w1, "w1"), cast(w2, "w2")
+    hidden = q(xp.tanh(q(x8 @ w1_8 + b1)))
+    hidden8 = cast(hidden, "h")
+    output = q(hidden8 @ w2_8 + b2)
     residual = output - target
     loss = xp.mean(residual * residual)
     seed = q(residual * (2.0 * scale / (residual.shape[0] * residual.shape[1])))
-    grad_w2 = q(xp.matrix_transpose(hidden) @ seed)
+    seed8 = cast(seed, "dy")
+    grad_w2 = q(xp.matrix_transpose(hidden8) @ seed8)
     grad_b2 = q(xp.sum(seed, axis=0))
-    grad_hidden = q(seed @ xp.matrix_transpose(w2))
+    grad_hidden = q(seed8 @ xp.matrix_transpose(w2_8))
     grad_pre = q(grad_hidden * (1.0 - hidden * hidden))
-    grad_w1 = q(xp.matrix_transpose(x) @ grad_pre)
+    grad_w1 = q(xp.matrix_transpose(x8) @ cast(grad_pre, "dh"))
     grad_b1 = q(xp.sum(grad_pre, axis=0))
     return loss, [grad_w1, grad_b1, grad_w2, grad_b2]
 
@@ -257,10 +312,13 @@ def train(
     growth_interval: int = 50,
     on_step: Callable[[int], None] = lambda step: None,
 ) -> RunResult:
-    """Train the student in ``mode`` (one of :data:`MODES`) and record the loss at every step."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {shown(mode)}")
+    """Train the student in ``mode`` (one of :data:`MODES` or :data:`FP8_MODES`) and record the
+    loss at every step."""
+    if mode not in MODES + FP8_MODES:
+        raise ValueError(f"mode must be one of {MODES + FP8_MODES}; got {shown(mode)}")
     ar = arithmetic_for(backend)
+    if mode in FP8_MODES:
+        return _train_bfloat16(mode, ar, steps=steps, batch=batch, lr=lr, seed=seed, on_step=on_step)
     xp = ar.xp
     teacher, inputs, targets = teacher_and_data(seed)
     params = [ar.asarray(p) for p in student(teacher, seed)]
@@ -303,6 +361,64 @@ def train(
     return RunResult(mode, losses, scales, skipped, seconds, None if scaler is None else scaler.get_scale())
 
 
+def _train_bfloat16(
+    mode: str, ar: Arithmetic, *, steps: int, batch: int, lr: float, seed: int, on_step: Callable[[int], None]
+) -> RunResult:
+    """One of :data:`FP8_MODES`: bfloat16 everywhere, the products' operands in FP8 or not."""
+    import ampscale.fp8 as fp8
+    from ampscale.fp8._amax import _amaxes
+
+    if ar.to_bfloat16 is None:
+        raise ValueError(f"the FP8 runs train with numpy, torch or jax; got --backend {ar.name}")
+    xp = ar.xp
+    teacher, inputs, targets = teacher_and_data(seed)
+    params = [ar.asarray(p) for p in student(teacher, seed)]
+    opt_state: tuple[list[Any], list[Any]] = ([xp.zeros_like(p) for p in params], [xp.zeros_like(p) for p in params])
+    applied = 0
+    scaler = ampscale.create_scaler(backend=ar.name, mode="guard")  # bf16: no scaling, skips non-finite steps
+    delayed = fp8.create_fp8_scaler("te_delayed", FP8_SLOTS, backend=ar.name, history_len=16)
+    current = {
+        slot: fp8.create_fp8_scaler("te_current", {slot: role}, backend=ar.name) for slot, role in FP8_SLOTS.items()
+    }
+    seen: dict[str, Any] = {}
+
+    def cast(value: Any, slot: str) -> Any:
+        if mode == "bf16 + fp8 current":  # the scale of this tensor's own amax, then the cast
+            current[slot] = current[slot].update([fp8.tensor_amax(value)])
+            return current[slot].qdq(value, 0)
+        seen[slot] = value  # its amax is wanted only by the update, after the step
+        return delayed.qdq(value, slot)  # the scale of the amaxes of the previous steps
+
+    rng = np.random.default_rng(seed + 2)
+    losses, scales, skipped = [], [], []
+    start = time.perf_counter()
+    with _one_compute_thread(ar.name):
+        for step in range(steps):
+            index = rng.integers(0, len(inputs), batch)
+            x, target = ar.asarray(inputs[index]), ar.asarray(targets[index])
+            rounding = ar.to_bfloat16
+            loss, grads = loss_and_grads(
+                ar, params, x, target, False, 1.0, rounding=rounding, fp8=None if mode == "bf16" else cast
+            )
+            if mode == "bf16 + fp8 delayed":  # one update of every slot per step, with the step's flag
+                amax = _amaxes([seen[slot] for slot in FP8_SLOTS])  # every tensor's amax in one call
+                scaler, delayed, grads, finite = fp8.unscale_and_update(scaler, delayed, grads, amax)
+            else:
+                grads, finite = scaler.unscale(grads)
+                scaler = scaler.update(finite)
+            lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            if bool(finite):
+                applied += 1
+                params, opt_state = adam(xp, params, grads, opt_state, lr_now, applied)
+            else:
+                skipped.append(step)
+            losses.append(ar.to_float(loss))
+            scales.append(1.0)
+            on_step(step)
+    seconds = time.perf_counter() - start
+    return RunResult(mode, losses, scales, skipped, seconds, None)
+
+
 # ------------------------------------------------------------------------------ reporting
 
 
@@ -314,11 +430,14 @@ def _power_of_two(value: float) -> str:
 
 def describe(args: argparse.Namespace, separator: str = "; ") -> str:
     """Everything the run uses: the model and data, then ampscale's settings, joined by ``separator``."""
-    return (
+    text = (
         f"MLP {INPUTS}-{HIDDEN}-{OUTPUTS}, Adam (lr {args.lr:g}, cosine), MSE over {args.batch}x{OUTPUTS} values, "
         f"{args.steps} steps, seed {args.seed}, backend {args.backend}{separator}ampscale: preset {args.preset}, "
         f"init scale {_power_of_two(args.init_scale)}, growth interval {args.growth_interval}"
     )
+    if getattr(args, "fp8", False):
+        text += f"{separator}fp8: te_delayed (history 16), te_current, E4M3 forward, E5M2 backward, emulated"
+    return text
 
 
 def _plot(results: list[RunResult], path: str, subtitle: str) -> str:
@@ -327,7 +446,13 @@ def _plot(results: list[RunResult], path: str, subtitle: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fp8_runs = [r for r in results if r.mode in FP8_MODES]
+    if fp8_runs:
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, figsize=(9, 10.5), sharex=True, gridspec_kw={"height_ratios": [3, 3, 2]}
+        )
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     # fp16 + ampscale follows fp32 so closely that one line would hide the other: fp32 is drawn
     # wide and pale underneath, ampscale narrow and dashed on top, so both stay visible.
     styles = {
@@ -336,12 +461,29 @@ def _plot(results: list[RunResult], path: str, subtitle: str) -> str:
         "fp16 + ampscale": {"color": "#2ca02c", "lw": 1.2, "ls": (0, (4, 2)), "zorder": 4},
     }
     for r in results:
-        top.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", **styles[r.mode])
+        if r.mode in styles:
+            top.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", **styles[r.mode])
     top.set_yscale("log")
     top.set_ylabel("training loss (MSE)")
     top.set_title("fp16 training: unscaled gradients underflow, ampscale tracks fp32\n" + subtitle, fontsize=9.5)
     top.legend()
     top.grid(True, which="both", alpha=0.3)
+    if fp8_runs:
+        fp8_styles = {
+            "bf16": {"color": "#9467bd", "lw": 2.6, "alpha": 0.6, "zorder": 2},
+            "bf16 + fp8 delayed": {"color": "#ff7f0e", "lw": 1.3, "zorder": 3},
+            "bf16 + fp8 current": {"color": "#8c564b", "lw": 1.1, "ls": (0, (4, 2)), "zorder": 4},
+        }
+        fp32 = next((r for r in results if r.mode == "fp32"), None)
+        if fp32 is not None:
+            middle.plot(fp32.losses, label=f"fp32 (final {fp32.final_loss:.2g})", color="#1f77b4", lw=1.0, alpha=0.4)
+        for r in fp8_runs:
+            middle.plot(r.losses, label=f"{r.mode} (final {r.final_loss:.2g})", **fp8_styles[r.mode])
+        middle.set_yscale("log")
+        middle.set_ylabel("training loss (MSE)")
+        middle.set_title("bf16 with FP8 products (emulated casts): delayed and current scaling", fontsize=9.5)
+        middle.legend()
+        middle.grid(True, which="both", alpha=0.3)
     scaled = next(r for r in results if r.mode == "fp16 + ampscale")
     bottom.plot(
         scaled.scales, color=styles["fp16 + ampscale"]["color"], lw=1.4, drawstyle="steps-post", label="loss scale"
@@ -375,7 +517,7 @@ def run_demo(args: argparse.Namespace) -> list[RunResult]:
     except ImportError:
         Console = None
 
-    modes = list(MODES)
+    modes = list(MODES) + (list(FP8_MODES) if getattr(args, "fp8", False) else [])
     results: list[RunResult] = []
     settings = {
         "backend": args.backend,
@@ -499,9 +641,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="finite steps between scale growths (default: %(default)s; short runs need a short one)",
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also train in bf16, and in bf16 with FP8 products (emulated) under delayed and current "
+        "scaling (ampscale.fp8); about doubles the time",
+    )
     parser.add_argument("--out", default="ampscale-demo.png", help="where to save the plot (default: %(default)s)")
     parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
     return parser
+
+
+def _fp8_problem(backend: str) -> str | None:
+    """Why the FP8 runs cannot train with ``backend`` here (``None``: they can)."""
+    if backend == "cupy":
+        return "the FP8 runs train with --backend numpy, torch or jax"
+    if backend == "numpy":
+        import importlib.util
+
+        if importlib.util.find_spec("ml_dtypes") is None:
+            return "NumPy's FP8 casts need ml_dtypes; fix: pip install 'ampscale[demo]'"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,6 +671,11 @@ def main(argv: list[str] | None = None) -> int:
     line (what is missing and the command that fixes it) with exit status 2, before any work.
     """
     args = build_parser().parse_args(argv)
+    if args.fp8:
+        problem = _fp8_problem(args.backend)
+        if problem is not None:
+            print(f"ampscale demo: --fp8 cannot run here: {problem}", file=sys.stderr)
+            return 2
     if args.backend != "numpy":
         facts = backend_info(args.backend)
         if not facts["usable"]:

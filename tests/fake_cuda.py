@@ -77,26 +77,15 @@ def harness_for_source(source: str, directory: pathlib.Path | None = None) -> ct
             partial.replace(lib)
             cpp.unlink()
         so = ctypes.CDLL(str(lib))
-        if hasattr(so, "ampscale_host_step"):  # a module of kernels.cu (not one of the tests' own)
-            p, q = ctypes.c_void_p, ctypes.c_longlong
-            so.ampscale_host_step.argtypes = [
-                p,
-                q,
-                ctypes.c_ulonglong,
-                q,
-                q,
-                q,
-                ctypes.c_float,
-                p,
-                p,
-                p,
-                q,
-                ctypes.c_int,
-            ]
-            so.ampscale_host_step.restype = ctypes.c_int
-            so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
-            so.ampscale_host_update_fields.argtypes = [p, p, p, p, q, p, q]
-            so.ampscale_host_word_count.restype = ctypes.c_longlong
+        _builds[source] = so
+        if not hasattr(so, "ampscale_host_step"):  # another module (the FP8 update): see run_kernel
+            return so
+        p, q = ctypes.c_void_p, ctypes.c_longlong
+        so.ampscale_host_step.argtypes = [p, q, ctypes.c_ulonglong, q, q, q, ctypes.c_float, p, p, p, q, ctypes.c_int]
+        so.ampscale_host_step.restype = ctypes.c_int
+        so.ampscale_host_update.argtypes = [p, p, p, q, p, q, p]
+        so.ampscale_host_update_fields.argtypes = [p, p, p, p, q, p, q]
+        so.ampscale_host_word_count.restype = ctypes.c_longlong
         _builds[source] = so
         return so
 
@@ -130,6 +119,13 @@ def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None
     elif name == "ampscale_update_fields":
         assert grid == 1
         so.ampscale_host_update_fields(*params)
+    elif hasattr(so, f"{name}_host"):
+        # a kernel whose source carries its own harness, ``{name}_host(grid, *params)``, with
+        # every parameter 8 bytes (pointers and long long), e.g. ampscale_fp8_update
+        host = getattr(so, f"{name}_host")
+        host.argtypes = [ctypes.c_longlong, *([ctypes.c_ulonglong] * len(params))]
+        host.restype = None
+        host(grid, *(int(value) & 0xFFFFFFFFFFFFFFFF for value in params))
     else:  # pragma: no cover
         raise AssertionError(f"unknown kernel {name}")
 
@@ -408,7 +404,7 @@ def fake_cupy(state: FakeCupyState | None = None) -> types.ModuleType:
             blocks = max(1, grid[0])  # CuPy launches at least one block
             Launches.log.append((self.name, blocks, get_current_stream().ptr))
             params = [_pointer(a) for a in args]
-            if self.name in KNOWN_KERNELS:
+            if self.name in KNOWN_KERNELS or hasattr(self.module.so, f"{self.name}_host"):
                 run_kernel(self.module.so, self.name, blocks, params)
             else:
                 # a module of the tests' own (the transitions batched in one module): its host

@@ -18,8 +18,11 @@ Megatron-Core) a named setting; casts saturate in each framework's own operation
 
 from __future__ import annotations
 
+from ampscale.fp8._amax import combine_amax
 from ampscale.fp8._cast import dequantize, fp8_dtype, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._combined import Fp8Step, unscale_and_update
 from ampscale.fp8._config import FORMATS, FP8_PRESETS, Fp8Config, Fp8Preset, make_fp8_config
+from ampscale.fp8._distributed import reduce_amax
 from ampscale.fp8._scaler import Fp8Scaler, create_fp8_scaler, init_state, update_state
 from ampscale.fp8._state_dict import FP8_FORMAT_VERSION
 from ampscale.fp8._transition import Fp8State
@@ -32,6 +35,8 @@ __all__ = [
     "Fp8Preset",
     "Fp8Scaler",
     "Fp8State",
+    "Fp8Step",
+    "combine_amax",
     "create_fp8_scaler",
     "dequantize",
     "fp8_dtype",
@@ -39,6 +44,8 @@ __all__ = [
     "make_fp8_config",
     "quantize",
     "quantize_dequantize",
+    "reduce_amax",
     "tensor_amax",
+    "unscale_and_update",
     "update_state",
 ]

@@ -27,6 +27,8 @@ __all__ = ["Fp8ArrayOps", "floor_log2_thresholds", "framework_of"]
 
 #: 0xFF800000 as an int32: sign and exponent bits of a float32
 _MASK = -8388608
+#: every normal float32 power of two, 2**-126 to 2**127, then inf (the power past 2**127)
+_NORMAL_POWERS = [math.ldexp(1.0, e) for e in range(-126, 128)] + [math.inf]
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,7 +65,8 @@ def floor_log2_thresholds() -> tuple[int, ...]:
 
 
 def framework_of(array: Any) -> str:
-    """``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``, from the array's type."""
+    """``"numpy"``, ``"jax"``, ``"torch"``, ``"cupy"``, from the array's type, or ``"array_api"``
+    for an array of any other namespace of the Python array API standard (``array_api_strict``)."""
     module = type(array).__module__.split(".")[0]
     if module in ("jaxlib", "jax"):
         return "jax"
@@ -73,27 +76,46 @@ def framework_of(array: Any) -> str:
         return "cupy"
     if isinstance(array, (np.ndarray, np.generic)):
         return "numpy"
-    raise TypeError(f"FP8 state arrays must be NumPy, JAX, torch or CuPy arrays; got {type(array).__name__}")
+    if hasattr(array, "__array_namespace__"):
+        return "array_api"
+    raise TypeError(
+        "FP8 state arrays must be NumPy, JAX, torch or CuPy arrays, or arrays of an array-API "
+        f"namespace; got {type(array).__name__}"
+    )
+
+
+def namespace_of(array: Any) -> Any:
+    """The array-API namespace of an ``"array_api"`` array (``None`` for the four frameworks)."""
+    if framework_of(array) != "array_api":
+        return None
+    return array.__array_namespace__()
 
 
 class Fp8ArrayOps:
     """The FP8 transition's operations on ``[N]`` arrays of one framework and device.
 
     Args:
-        framework: ``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``.
+        framework: ``"numpy"``, ``"jax"``, ``"torch"``, ``"cupy"`` or ``"array_api"``.
         device: where constants are placed (a torch device; ignored elsewhere).
         slot_max: the largest finite value of each slot's format (for :meth:`div_wide`).
+        xp: the namespace of an ``"array_api"`` framework (``array_api_strict``, ...): only the
+            standard's functions are used on it, so the bit rules (``pow2``) are computed
+            from a table of powers of two instead of a bitcast, which the standard lacks.
     """
 
-    def __init__(self, framework: str, device: Any = None, slot_max: tuple[float, ...] = ()) -> None:
+    def __init__(self, framework: str, device: Any = None, slot_max: tuple[float, ...] = (), xp: Any = None) -> None:
         self.framework = framework
         self.device = device
         self.slot_max = slot_max
-        if framework == "jax":
+        if framework == "array_api":
+            if xp is None:
+                raise ValueError("framework 'array_api' needs its namespace: pass xp=")
+            self.xp: Any = xp
+        elif framework == "jax":
             import jax
             import jax.numpy as jnp
 
-            self.xp: Any = jnp
+            self.xp = jnp
             self._lax = jax.lax
         elif framework == "torch":
             import torch
@@ -147,6 +169,8 @@ class Fp8ArrayOps:
     def _to_int(self, flags: Any) -> Any:
         if self.framework == "torch":
             return flags.to(self._int)
+        if self.framework == "array_api":
+            return self.xp.astype(flags, self._int)
         return flags.astype(self._int)
 
     def _bits(self, x: Any) -> Any:
@@ -167,6 +191,8 @@ class Fp8ArrayOps:
         xp = self.xp
         if self.framework == "torch":
             return xp.as_tensor(value, device=self.device).to(xp.bool)
+        if self.framework == "array_api":
+            return xp.astype(xp.asarray(value), xp.bool)
         return xp.asarray(value).astype(bool)
 
     def logical_not(self, a: Any) -> Any:
@@ -187,6 +213,8 @@ class Fp8ArrayOps:
     def where(self, condition: Any, a: Any, b: Any) -> Any:
         if condition is True:
             return a
+        if condition is False:  # a skipped step's Python flag (the array API wants arrays)
+            return b
         xp = self.xp
         if self.framework == "torch":
             # a 0-d flag with [N] values: torch.where broadcasts, but wants tensors of one dtype
@@ -239,10 +267,14 @@ class Fp8ArrayOps:
 
     def pow2_mask(self, x: Any) -> Any:
         """TE's power-of-two scale: the float32's mantissa bits cleared."""
+        if self.framework == "array_api":
+            return self._standard_pow2(x, floor_log2=False)
         return self._from_bits(self._bits(x) & self.array(_MASK, "int32"))
 
     def pow2_floor_log2(self, x: Any) -> Any:
         """torchao's ``exp2(floor(log2(x)))`` in float32 (see :func:`floor_log2_thresholds`)."""
+        if self.framework == "array_api":
+            return self._standard_pow2(x, floor_log2=True)
         xp = self.xp
         bits = self._bits(x)
         biased = (bits >> 23) & 0xFF
@@ -258,6 +290,39 @@ class Fp8ArrayOps:
         out = xp.where(normal, rounded, xp.where(biased == 0, self.int32(0), bits))
         return self._from_bits(out)
 
+    def _standard_pow2(self, x: Any, floor_log2: bool) -> Any:
+        """:meth:`pow2_mask` / :meth:`pow2_floor_log2` with the standard's functions only.
+
+        The array API has no bitcast, so the exponent field is found by ``searchsorted`` in
+        the table of the 254 normal powers of two (exact: comparisons only), and the mantissa
+        bits as ``(|x| / 2**e - 1) * 2**23``, exact for a normal ``x`` (a division by a power of
+        two, then Sterbenz). Zero and subnormals give +-0 (mask) or +0 (floor_log2, which also
+        drops the sign, as its bit arithmetic does); inf and nan give inf with the sign (mask:
+        the exponent kept, the mantissa cleared) or themselves (floor_log2).
+        """
+        xp = self.xp
+        powers = self.array(_NORMAL_POWERS, "float32")  # 2**-126 .. 2**127, and inf last
+        magnitude = xp.abs(x)
+        flat = xp.reshape(magnitude, (-1,))
+        below = xp.searchsorted(powers[:-1], flat, side="right") - 1  # -1: zero or subnormal
+        index = xp.clip(below, 0, len(_NORMAL_POWERS) - 2)
+        power = xp.reshape(xp.take(powers, index), x.shape)
+        normal = xp.reshape(below >= 0, x.shape)
+        special = xp.logical_not(xp.isfinite(x))
+        zero = self.f32(0.0)
+        if not floor_log2:
+            out = xp.where(normal, power, zero)
+            out = xp.where(special, self.f32(math.inf), out)
+            return xp.copysign(out, x)
+        with np.errstate(invalid="ignore"):  # inf / inf and nan lanes, replaced below
+            mantissa = (magnitude / power - self.f32(1.0)) * self.f32(2.0**23)
+        thresholds = self.array([float(t) for t in floor_log2_thresholds()[1:255]], "float32")
+        up = mantissa >= xp.reshape(xp.take(thresholds, index), x.shape)
+        bumped = xp.reshape(xp.take(powers, xp.reshape(index, (-1,)) + 1), x.shape)
+        out = xp.where(up, bumped, power)
+        out = xp.where(normal, out, zero)
+        return xp.where(special, x, out)
+
     # ------------------------------------------------------------------ the history
 
     def push(self, history: Any, value: Any, write: Any) -> Any:
@@ -265,6 +330,12 @@ class Fp8ArrayOps:
         xp = self.xp
         if self.framework == "torch":
             shifted = xp.cat([history[..., 1:], value[..., None]], dim=-1)
+        elif self.framework == "array_api":
+            shifted = xp.concat([history[..., 1:], xp.expand_dims(value, axis=-1)], axis=-1)
+            if write is True:
+                return shifted
+            condition = xp.expand_dims(write, axis=-1) if getattr(write, "ndim", 0) else write
+            return self.where(condition, shifted, history)
         else:
             shifted = xp.concatenate([history[..., 1:], value[..., None]], axis=-1)
         if write is True:

@@ -14,24 +14,67 @@ from typing import Any
 import numpy as np
 
 from ampscale._config import shown
+from ampscale.fp8 import _cuda
 from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
-from ampscale.fp8._ops import Fp8ArrayOps, framework_of
+from ampscale.fp8._distributed import UNSET, check_group, reduce_amax, resolve_group
+from ampscale.fp8._ops import Fp8ArrayOps, framework_of, namespace_of
 from ampscale.fp8._transition import Fp8State, initial_state_values
-from ampscale.fp8._update import device_of, ops_for, update_state
+from ampscale.fp8._update import device_of, ops_of
+from ampscale.fp8._update import update_state as array_update_state
 
 __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
 
 BACKENDS = ("numpy", "jax", "torch", "cupy")
 
 
-def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) -> Fp8State:
-    """The initial state of ``config`` as arrays of ``backend`` (on ``device`` for torch)."""
+def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
+    """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
+
+    ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step. On
+    CuPy and on torch's CUDA tensors: one launch of the emitted C transition
+    (:mod:`ampscale.fp8._cuda`); elsewhere, and where that kernel cannot be built, the
+    transition's array operations. No host read either way.
+    """
+    framework = framework_of(state.scale)
+    if framework == "cupy" or (framework == "torch" and _cuda.is_torch_cuda(state.scale)):
+        fast = (_cuda.update_cupy if framework == "cupy" else _cuda.update_torch)(config, state, amax, step_ok)
+        if fast is not None:
+            return fast
+    return array_update_state(config, state, amax, step_ok)
+
+
+def _namespace_backend(backend: Any) -> Any:
+    """The array-API namespace ``backend`` names (a module, or the name of one already
+    imported), or ``None``."""
+    if isinstance(backend, str):
+        import sys
+
+        backend = sys.modules.get(backend)
+    if backend is not None and hasattr(backend, "asarray") and hasattr(backend, "__array_api_version__"):
+        return backend
+    return None
+
+
+def init_state(config: Fp8Config, backend: Any = "numpy", device: Any = None) -> Fp8State:
+    """The initial state of ``config`` as arrays of ``backend`` (on ``device`` for torch).
+
+    ``backend``: ``"numpy"``, ``"jax"``, ``"torch"``, ``"cupy"``, or an array-API namespace
+    (``array_api_strict``, or its name once imported): the update then uses the standard's
+    functions only.
+    """
+    namespace = None
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}; got {shown(backend)}")
+        namespace = _namespace_backend(backend)
+        if namespace is None:
+            raise ValueError(
+                f"backend must be one of {list(BACKENDS)} or an array-API namespace (a module with "
+                f"__array_api_version__, or the name of one already imported); got {shown(backend)}"
+            )
+        backend = "array_api"
     if backend == "jax":
         ensure_jax_pytree()
-    ops = Fp8ArrayOps(backend, device=device)
+    ops = Fp8ArrayOps(backend, device=device, xp=namespace)
     values = initial_state_values(config)
     n, length = config.size, config.history_len
     return Fp8State(
@@ -94,7 +137,7 @@ class Fp8Scaler:
         """``amax`` as an ``[N]`` float32 array of the state's framework, checked before use."""
         c = self.config
         framework = self.framework
-        ops = ops_for(c, framework, device_of(self.state.scale, framework))
+        ops = ops_of(c, self.state.scale)
         if isinstance(amax, Mapping):
             unknown = [k for k in amax if k not in c.slots]
             if unknown:
@@ -111,7 +154,7 @@ class Fp8Scaler:
         shape = tuple(getattr(amax, "shape", ()))
         if shape != (c.size,):
             raise ValueError(f"amax must have shape ({c.size},) (one value per slot); got shape {shape}")
-        if framework_of(amax) != framework:
+        if framework_of(amax) != framework or namespace_of(amax) is not namespace_of(self.state.scale):
             raise TypeError(f"amax must be a {framework} array like the state; got {type(amax).__name__}")
         return self._as_f32(amax, framework)
 
@@ -121,35 +164,47 @@ class Fp8Scaler:
             import torch
 
             return a.to(torch.float32)
+        if framework == "array_api":
+            xp = a.__array_namespace__()
+            return xp.astype(a, xp.float32)
         return a.astype(np.float32) if framework != "jax" else a.astype("float32")
 
     def _scalar(self, a: Any, ops: Fp8ArrayOps, framework: str) -> Any:
         if hasattr(a, "shape"):
             if tuple(a.shape) not in ((), (1,)):
                 raise ValueError(f"each amax must be a scalar; got shape {tuple(a.shape)}")
-            return self._as_f32(a.reshape(()), framework)
+            flat = ops.xp.reshape(a, ()) if framework == "array_api" else a.reshape(())
+            return self._as_f32(flat, framework)
         if isinstance(a, bool) or not isinstance(a, (int, float, np.floating, np.integer)):
             raise TypeError(f"each amax must be a number or a 0-d array; got {type(a).__name__}")
         if framework == "torch":
             return ops.xp.tensor(float(a), dtype=ops.xp.float32, device=ops.device)
         return ops.xp.asarray(float(a), dtype=ops.xp.float32)
 
-    def update(self, amax: Any, step_ok: Any = True) -> Fp8Scaler:
+    def update(self, amax: Any, step_ok: Any = True, *, group: Any = UNSET) -> Fp8Scaler:
         """The scaler after one optimizer step whose amaxes were ``amax``.
 
         Args:
-            amax: ``[N]`` float32 array of the state's framework (max over micro-batches and
-                ranks: see :func:`ampscale.fp8.combine_amax` and :func:`ampscale.fp8.reduce_amax`),
-                a list of N values, or a dict slot -> value.
+            amax: ``[N]`` float32 array of the state's framework (max over micro-batches: see
+                :func:`ampscale.fp8.combine_amax`), a list of N values, or a dict slot -> value.
             step_ok: whether the loss scaler applied this step (a bool or 0-d bool array; the
                 ``finite`` of ``Scaler.unscale``). With ``on_skipped_step="freeze"`` a skipped
                 step changes no scale and no history.
+            group: the ranks or devices whose amaxes are reduced (max, nan kept) before the
+                update, in one collective (see :func:`ampscale.fp8.reduce_amax`): a torch
+                process group or ``"world"``, JAX axis name(s), a CuPy NCCL communicator, a
+                callable, or ``None`` (this rank's own). Required while ``torch.distributed``
+                runs with several ranks or the amaxes vary over mapped JAX axes.
 
         Raises:
-            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots;
-                nothing is changed.
+            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots,
+                or a distributed run without ``group``; nothing is changed.
         """
         vector = self._amax_vector(amax)
+        group = resolve_group(group, vector)
+        check_group(group, self.framework)
+        if group is not None:
+            vector = reduce_amax(vector, group)
         state, _updated = update_state(self.config, self.state, vector, step_ok)
         return Fp8Scaler(self.config, state)
 
@@ -212,7 +267,9 @@ class Fp8Scaler:
         from ampscale.fp8._state_dict import from_state_dict
 
         host = from_state_dict(state_dict, self.config)
-        return Fp8Scaler(self.config, to_framework(host, self.framework, device_of(self.state.scale, self.framework)))
+        scale = self.state.scale
+        device = device_of(scale, self.framework)
+        return Fp8Scaler(self.config, to_framework(host, self.framework, device, namespace_of(scale)))
 
 
 def _to_host(array: Any) -> Any:
@@ -221,6 +278,8 @@ def _to_host(array: Any) -> Any:
         return array.detach().cpu().numpy()
     if framework == "cupy":
         return array.get()
+    if framework == "array_api":
+        return np.from_dlpack(array)  # the standard's way out (a copy from a device)
     return np.asarray(array)
 
 
@@ -229,8 +288,11 @@ def host_state(state: Fp8State) -> Fp8State:
     return Fp8State(*(_to_host(field) for field in state))
 
 
-def to_framework(state: Fp8State, framework: str, device: Any = None) -> Fp8State:
-    """NumPy ``state`` as arrays of ``framework`` (on ``device`` for torch)."""
+def to_framework(state: Fp8State, framework: str, device: Any = None, xp: Any = None) -> Fp8State:
+    """NumPy ``state`` as arrays of ``framework`` (on ``device`` for torch; of the namespace
+    ``xp`` for ``"array_api"``)."""
+    if framework == "array_api":
+        return Fp8State(*(xp.asarray(np.array(f)) for f in state))
     if framework == "numpy":
         return Fp8State(*(np.array(f) for f in state))
     if framework == "torch":
@@ -248,7 +310,7 @@ def to_framework(state: Fp8State, framework: str, device: Any = None) -> Fp8Stat
 
 
 def create_fp8_scaler(
-    preset: str = "ampscale", slots: Any = 1, backend: str = "numpy", device: Any = None, **settings: Any
+    preset: str = "ampscale", slots: Any = 1, backend: Any = "numpy", device: Any = None, **settings: Any
 ) -> Fp8Scaler:
     """A new FP8 scaler.
 
@@ -256,7 +318,8 @@ def create_fp8_scaler(
         preset: whose recipe to reproduce (see :data:`ampscale.fp8.FP8_PRESETS`).
         slots: the tensors: an int, a list of names (forward tensors), or a dict name ->
             ``"forward"`` / ``"backward"`` (the role picks the format of ``formats``).
-        backend: ``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``.
+        backend: ``"numpy"``, ``"jax"``, ``"torch"``, ``"cupy"``, or an array-API namespace
+            (``array_api_strict``; the standard's functions only).
         device: the torch device of the state (``None``: the CPU).
         **settings: any setting of :mod:`ampscale.fp8._config` (``history_len``, ``margin``,
             ``formats``, ...), read in the preset's terms.
