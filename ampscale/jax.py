@@ -594,11 +594,15 @@ def _dtype_of(value: Any) -> Any:
 
 def _warn_if_not_floating(value: Any, name: str) -> None:
     """jmp's warning for a loss scale that is not a floating value (``UserWarning``)."""
-    if type(value) is object:  # JAX's placeholder while it builds a pytree's structure
+    if not isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, numbers.Number)):
+        # what JAX and orbax put in a pytree while they build its structure (object(), abstract
+        # values, SaveArgs, restore templates): no value to warn about (jmp's check skips the
+        # first and raises on the others, which JAX catches and orbax does not)
         return
     dtype = _dtype_of(value)
     if not jnp.issubdtype(dtype, jnp.floating):
-        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
+        # jmp's warning, from one place, as jmp's is: shown once per process by default
+        warnings.warn(f"Expected floating type for {name}, got {dtype}")  # noqa: B028
 
 
 def _is_strong_float32(value: Any) -> bool:
@@ -697,31 +701,6 @@ class StaticLossScale:
         return self
 
 
-class _Fixed:
-    """A value kept in a pytree's static structure (hashed and compared by dtype and value)."""
-
-    __slots__ = ("key", "value")
-
-    def __init__(self, value: Any, name: str) -> None:
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(
-                f"{name} is part of the loss scale's static structure (it is not a pytree leaf, as in "
-                f"jmp), so it must be a concrete value; got a traced {jax.typeof(value)}: build the loss "
-                "scale with a concrete min_loss_scale"
-            )
-        self.value = value
-        self.key = (type(value).__name__, str(_dtype_of(value)), np.asarray(value).tobytes())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Fixed) and other.key == self.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """``jmp.DynamicLossScale``, driven by ampscale's scaler (``preset="jmp"``).
@@ -729,29 +708,37 @@ class DynamicLossScale:
     Every ``period`` finite steps in a row the scale is multiplied by ``factor`` (unless that
     overflows its dtype); on a non-finite step it is divided by ``factor``, never below
     ``min_loss_scale``, and the counter restarts. Same constructor, fields, methods, pytree
-    leaves (``loss_scale`` and ``counter``, in that order, unnamed as jmp's) and results, bit for
-    bit and dtype for dtype, as jmp's; a jmp checkpoint restores into it and back. Port a jmp
-    program by its import::
+    structure and results, bit for bit and dtype for dtype, as jmp's; a jmp checkpoint restores
+    into it and back. Port a jmp program by its import::
 
         # import jmp
         import ampscale.jax as jmp
 
-    Two differences, both fixes: ``min_loss_scale`` is kept in the pytree's static structure, so
-    no ``jit`` or ``tree_map`` round trip resets it to 1 (jmp drops it); and a ``min_loss_scale``
-    of 0 (or below float32's smallest normal value) stops the scale at that smallest normal
-    value, where jmp's scale reaches 0 and every later step overflows.
+    The pytree is jmp's exactly: the leaves are ``loss_scale`` and ``counter`` (in that order,
+    unnamed), the static structure is ``(period, factor)``, and ``min_loss_scale`` is in neither:
+    as in jmp, a loss scale that crosses a ``jit``, ``pmap``, ``scan``, ``cond`` or
+    ``tree_map`` boundary comes back with the default floor of 1, so a floor other than 1 holds
+    only where ``adjust`` is called on the object that was built with it (inside the trace
+    that built it, or eagerly). For a floor that survives every round trip use
+    ``ampscale.create_scaler(preset="jmp", min_scale=...)``.
+
+    Where jmp's arithmetic would leave the finite range, ampscale's does not: a
+    ``min_loss_scale`` of 0 (or below float32's smallest normal value) stops the scale at that
+    smallest normal value, where jmp's reaches 0 and every later step overflows.
 
     Attributes:
         loss_scale: the current scale (a float32 array, as jmp's docs build it; any floating
             value: float16 and bfloat16 ones follow jmp's arithmetic in their dtype, float64
-            under ``jax_enable_x64``). A value that is not floating warns, as in jmp.
+            under ``jax_enable_x64``). A value that is not floating warns, as in jmp, each time
+            one is built (pytree unflattens included).
         counter: finite steps counted towards the next growth (int32).
         period: finite steps in a row between growths (a whole number >= 1).
-        factor: the growth factor; the backoff divides by it (> 1).
-        min_loss_scale: the floor of the scale.
+        factor: the growth factor; the backoff divides by it (>= 1; 1 never moves the scale).
+        min_loss_scale: the floor of the scale (any value, traced ones included).
 
     Raises:
-        ValueError: ``period`` or ``factor`` out of range (the message names it).
+        ValueError: ``period``, ``factor`` or a concrete ``min_loss_scale`` out of range (the
+            message names it).
 
     Example:
         >>> import jax.numpy as jnp
@@ -774,8 +761,7 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         _warn_if_not_floating(self.loss_scale, "loss_scale")
         _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-        _check_jmp_settings(self.period, self.factor)
-        _Fixed(self.min_loss_scale, "min_loss_scale")
+        _check_jmp_settings(self.period, self.factor, self.min_loss_scale)
 
     def scale(self, tree: T) -> T:
         """Every leaf multiplied by :attr:`loss_scale` (JAX's promotion)."""
@@ -786,6 +772,19 @@ class DynamicLossScale:
         with a float32 scale); with a float32 scale through ampscale's check + unscale."""
         return _unscale_tree(tree, self.loss_scale)  # type: ignore[no-any-return]
 
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """jmp's flatten: the leaves ``(loss_scale, counter)`` and the static ``(period, factor)``
+        (``min_loss_scale`` is in neither, as in jmp)."""
+        return (self.loss_scale, self.counter), (self.period, self.factor)
+
+    @classmethod
+    def tree_unflatten(cls, meta: tuple[Any, Any], data: Sequence[Any]) -> DynamicLossScale:
+        """jmp's unflatten: a new loss scale with the default ``min_loss_scale`` (built through
+        the constructor, so its warnings come again, as jmp's do)."""
+        loss_scale, counter = data
+        period, factor = meta
+        return cls(loss_scale, counter, period, factor)
+
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite (a 0-d bool).
 
@@ -795,35 +794,50 @@ class DynamicLossScale:
                 (jmp's ``lax.select`` error).
         """
         assert grads_finite.ndim == 0, "Expected boolean scalar"
+        floor = self.min_loss_scale
         scale_type, counter_type = _jmp_types(
-            self.loss_scale, self.min_loss_scale, self.counter, grads_finite, self.period, self.factor
+            self.loss_scale, floor, self.counter, grads_finite, self.period, self.factor
         )
-        config = _jmp_config(self.period, self.factor, float(np.asarray(self.min_loss_scale)), scale_type.dtype)
-        args = (self.loss_scale, self.counter, grads_finite)
+        dtype = np.dtype(scale_type.dtype)
+        config = _jmp_config(self.period, self.factor, dtype)
+        args = (self.loss_scale, self.counter, grads_finite, floor)
         # Compiled, XLA divides by a constant factor by multiplying with its reciprocal (jmp's
         # adjust under jit does too); op by op it divides. The two differ only for a factor that
         # is not a power of two, where an eager call runs op by op, as jmp's eager call does.
-        eager_exact = _is_power_of_two(float(config.growth_value))
+        eager_exact = config is None or _is_power_of_two(float(config.growth_value))
         traced = any(isinstance(a, jax.core.Tracer) for a in args)
         adjust = _jmp_adjust_jit if not traced and eager_exact else _jmp_adjust
-        scale, counter = adjust(config, *args, np.dtype(scale_type.dtype))
-        return _dynamic_loss_scale(
-            _typed(scale, scale_type), _typed(counter, counter_type), self.period, self.factor, self.min_loss_scale
+        scale, counter = adjust(config, *args, dtype, int(self.period))
+        # through the constructor, as jmp's adjust: the same warnings, the same checks
+        return DynamicLossScale(
+            _typed(scale, scale_type), _typed(counter, counter_type), self.period, self.factor, floor
         )
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 - jmp's alias
 
 
-def _check_jmp_settings(period: Any, factor: Any) -> None:
+def _check_jmp_settings(period: Any, factor: Any, floor: Any) -> None:
+    """Refuse the settings under which jmp's own arithmetic breaks (before anything runs)."""
     real = isinstance(period, numbers.Real) and not isinstance(period, bool)
     if not real or float(period) != int(float(period)) or float(period) < 1:
+        # jmp takes them: 0 divides the counter by zero and never grows, a fraction never grows
         raise ValueError(f"period must be a whole number >= 1 (finite steps between growths); got {period!r}")
     real = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if not real or not (math.isfinite(float(factor)) and float(factor) > 1):
+    if not real or not (math.isfinite(float(factor)) and float(factor) >= 1):
+        # jmp takes them: below 1 every overflow grows the scale, until it is inf or 0
         raise ValueError(
-            f"factor must be a finite number > 1 (the growth factor; backoff divides by it); got {factor!r}"
+            f"factor must be a finite number >= 1 (the growth factor; backoff divides by it, and "
+            f"1 never moves the scale); got {factor!r}"
         )
+    if not isinstance(floor, (np.ndarray, np.generic, numbers.Real)) or isinstance(floor, bool):
+        # a JAX array is not read on the host here (a sync on every adjust): adjust ignores a nan
+        # floor and stops an infinite one at the largest finite value, on the device
+        return
+    value = np.asarray(floor)
+    if value.shape == () and value.dtype.kind == "f" and not np.isfinite(value):
+        # jmp takes it: a nan floor makes the scale nan, an infinite one inf, at the first overflow
+        raise ValueError(f"min_loss_scale must be a finite number (the floor of the scale); got {floor!r}")
 
 
 def _is_jax(value: Any) -> bool:
@@ -870,19 +884,26 @@ def _jmp_types_cached(*args: Any) -> tuple[Any, Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _jmp_config(period: Any, factor: Any, floor: float, dtype: Any) -> Any:
+def _jmp_config(period: Any, factor: Any, dtype: Any) -> Any:
     """The ``jmp`` preset's settings for a loss scale of ``dtype`` (float16 and bfloat16 scales
-    run in float32, with the factor rounded to their dtype, as jmp's multiply rounds it)."""
+    run in float32, with the factor rounded to their dtype, as jmp's multiply rounds it);
+    ``None`` for a factor of 1, which never moves the scale (the preset's growth is > 1).
+
+    The floor is not a setting: it is an operand of :func:`_jmp_adjust` (jmp's
+    ``min_loss_scale`` may be traced), applied after the transition, whose own floor is the
+    smallest normal value of the scale's storage dtype.
+    """
     wide = np.dtype(dtype) == np.float64
     if np.dtype(dtype) in _NARROW:
         factor = float(np.asarray(factor, dtype))
-    floor_value = floor if floor >= (FLOAT32_TINY if not wide else 0.0) and floor > 0 else None
+    if float(factor) == 1.0:
+        return None
     return make_config(
         "jmp",
-        init_scale=floor_value if floor_value is not None and floor_value > 1.0 else 1.0,
+        init_scale=1.0,
         growth_interval=int(period),
         growth_factor=float(factor),
-        min_scale=floor_value,
+        min_scale=None,
         scale_dtype="float64" if wide else "float32",
         factor_precision="float64" if wide else "float32",
     )
@@ -892,30 +913,47 @@ def _is_power_of_two(value: float) -> bool:
     return math.frexp(value)[0] == 0.5
 
 
-def _jmp_adjust(config: Any, loss_scale: Any, counter: Any, finite: Any, dtype: Any) -> tuple[Any, Any]:
-    """One step of the jmp preset's transition from jmp's two leaves; the new ``(scale, counter)``."""
-    storage = jnp.float64 if config.scale_dtype == "float64" else jnp.float32
-    ops = BACKEND.ops(config, None)
-    values = initial_values(config)
-    fields = ScalerState(
-        *(
-            jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else storage)
-            for f, v in zip(ScalerState._fields, values, strict=True)
-        )
-    )
+def _jmp_adjust(
+    config: Any, loss_scale: Any, counter: Any, finite: Any, floor: Any, dtype: Any, period: int
+) -> tuple[Any, Any]:
+    """One step of the jmp preset's transition from jmp's two leaves and its floor; the new
+    ``(scale, counter)``.
+
+    The transition backs off to ``max(scale / factor, smallest normal)``; jmp's floor is then
+    ``max(min_loss_scale, that)``, which is jmp's ``max(min_loss_scale, scale / factor)`` for
+    every floor at or above the smallest normal value. A traced floor that is nan is ignored
+    and an infinite one stops at the largest finite value (a concrete one is refused at
+    construction), so the scale never becomes nan or inf.
+    """
+    wide = dtype == np.float64 or (config is not None and config.scale_dtype == "float64")
+    storage = jnp.float64 if wide else jnp.float32
     scale = jnp.asarray(loss_scale, storage)
-    fields = fields._replace(scale=scale, last_scale=scale, growth_tracker=jnp.asarray(counter, jnp.int32))
     finite = jnp.asarray(finite, jnp.bool_)
-    new, _floor_event = transition(ops.config, fields, finite, True, ops)
-    new_scale = new.scale
-    if dtype in _NARROW:
-        # jmp grows in the scale's own dtype and keeps the old scale where that overflows it
-        narrow = new_scale.astype(dtype)
-        new_scale = jnp.where(jnp.isinf(narrow) & ~jnp.isinf(scale), scale, new_scale)
-    return new_scale, new.growth_tracker
+    if config is None:  # factor 1: jmp's scale * 1 and scale / 1 leave it as it is
+        new_scale = scale
+        new_counter = jnp.where(finite, (jnp.asarray(counter, jnp.int32) + 1) % period, 0).astype(jnp.int32)
+    else:
+        ops = BACKEND.ops(config, None)
+        values = initial_values(config)
+        fields = ScalerState(
+            *(
+                jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else storage)
+                for f, v in zip(ScalerState._fields, values, strict=True)
+            )
+        )
+        fields = fields._replace(scale=scale, last_scale=scale, growth_tracker=jnp.asarray(counter, jnp.int32))
+        new, _floor_event = transition(ops.config, fields, finite, True, ops)
+        new_scale, new_counter = new.scale, new.growth_tracker
+        if dtype in _NARROW:
+            # jmp grows in the scale's own dtype and keeps the old scale where that overflows it
+            narrow = new_scale.astype(dtype)
+            new_scale = jnp.where(jnp.isinf(narrow) & ~jnp.isinf(scale), scale, new_scale)
+    bounded = jnp.minimum(jnp.asarray(floor, storage), jnp.finfo(storage).max)
+    new_scale = jnp.where(finite, new_scale, jnp.fmax(bounded, new_scale))
+    return new_scale, new_counter
 
 
-_jmp_adjust_jit = jax.jit(_jmp_adjust, static_argnums=(0, 4))
+_jmp_adjust_jit = jax.jit(_jmp_adjust, static_argnums=(0, 5, 6))
 
 
 def _typed(value: Any, aval: Any) -> Any:
@@ -925,21 +963,6 @@ def _typed(value: Any, aval: Any) -> Any:
         from jax._src.lax.lax import _convert_element_type
 
         out = _convert_element_type(out, aval.dtype, weak_type=True)
-    return out
-
-
-def _dynamic_loss_scale(loss_scale: Any, counter: Any, period: Any, factor: Any, floor: Any) -> DynamicLossScale:
-    """A :class:`DynamicLossScale` made without ``__init__`` (no warning, no check): for the
-    pytree's unflatten and ``adjust``, whose values are JAX's own."""
-    out = object.__new__(DynamicLossScale)
-    for name, value in (
-        ("loss_scale", loss_scale),
-        ("counter", counter),
-        ("period", period),
-        ("factor", factor),
-        ("min_loss_scale", floor),
-    ):
-        object.__setattr__(out, name, value)
     return out
 
 
@@ -974,17 +997,9 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 def _register_jmp_classes() -> None:
     for cls in (NoOpLossScale, StaticLossScale):  # no leaves: the object is its own structure
         jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
-
-    def flatten(ls: DynamicLossScale) -> tuple[tuple[Any, Any], tuple[Any, Any, _Fixed]]:
-        return (ls.loss_scale, ls.counter), (ls.period, ls.factor, _Fixed(ls.min_loss_scale, "min_loss_scale"))
-
-    def unflatten(aux: tuple[Any, Any, _Fixed], children: Any) -> DynamicLossScale:
-        period, factor, floor = aux
-        loss_scale, counter = children
-        return _dynamic_loss_scale(loss_scale, counter, period, factor, floor.value)
-
-    # registered without keys, as jmp's: the leaves' paths are their indices, 0 and 1
-    jax.tree_util.register_pytree_node(DynamicLossScale, flatten, unflatten)
+    # jmp's registration: its tree_flatten / tree_unflatten, without keys (the leaves' paths are
+    # their indices, 0 and 1)
+    jax.tree_util.register_pytree_node_class(DynamicLossScale)
 
 
 _register_jmp_classes()
