@@ -46,8 +46,8 @@ import functools
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeVar, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, Union
 
 from ampscale._info import missing_framework
 
@@ -58,7 +58,7 @@ try:
 except ModuleNotFoundError as exc:  # say what to install, not only what is missing
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config
+from ampscale._config import _UNSET, INT32_MAX, INT32_MIN, _round_to, make_config
 from ampscale._core import INT_FIELDS, ScalerState, initial_values, transition
 from ampscale._errors import ScaleAtFloorError
 from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
@@ -242,28 +242,34 @@ class DynamicScaleResult(NamedTuple):
 
 
 _FLAX_NAMES = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")
+#: flax's default floor, as flax writes it (``jnp.finfo(jnp.float32).tiny``, a NumPy float32)
+_FLAX_TINY = np.finfo(np.float32).tiny
 #: settings whose state would need more than flax's two leaves
 _STATEFUL = {"hysteresis": 1, "floor_patience": 1}
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class DynamicScale:
     """``flax.training.dynamic_scale.DynamicScale``, driven by an ampscale scaler (``preset="flax"``).
 
-    Same arguments, same defaults, same pytree (its leaves are flax's, ``fin_steps`` and
-    ``scale``, in that order and with those names, so a flax checkpoint restores into it and
-    back: orbax, ``flax.training.checkpoints`` and ``flax.serialization``), the same use (a field
-    of a flax ``TrainState``, replicated for ``pmap``, passed through ``jit``, ``scan`` and
-    ``shard_map``), the same :meth:`value_and_grad`, the same results bit for bit: the trajectory
-    of :attr:`scale`, the flag, the loss and the float32 gradients. Port a flax program by
-    changing the import::
+    Same arguments, same defaults, same dataclass (flax's six fields, in flax's order, compared
+    by ``==`` as flax's are; ``dataclasses.replace`` and ``.replace()``; flax's ``repr``), same
+    pytree (its leaves are flax's, ``fin_steps`` and ``scale``, in that order and with those
+    names, so a flax checkpoint restores into it and back: orbax, ``flax.training.checkpoints``
+    and ``flax.serialization``), the same use (a field of a flax ``TrainState``, replicated for
+    ``pmap``, passed through ``jit``, ``scan`` and ``shard_map``), the same
+    :meth:`value_and_grad`, the same results bit for bit: the trajectory of :attr:`scale`, the
+    flag, the loss and the float32 gradients. Port a flax program by changing the import::
 
         # from flax.training.dynamic_scale import DynamicScale
         from ampscale.jax import DynamicScale
 
-    What ampscale adds: the scaled loss is checked too (``check_loss``), the flag is agreed over
-    every mesh axis the gradients vary over (``agree_axes``), the settings are validated (a
-    ``ValueError`` names the argument), ``on_floor=`` and ``max_scale=`` are accepted, and
-    :attr:`scaler` gives the state as an ampscale scaler (``state_dict()``).
+    What ampscale adds, all opt-in or where flax's fails: ``check_loss=True`` checks the scaled
+    loss too; with ``axis_name`` on a mesh with more axes (data x model) the flag is agreed
+    over every axis the gradients vary over (flax's devices skip different steps there), and
+    ``agree_axes`` names more; the settings are validated (a ``ValueError`` names the
+    argument); ``on_floor=`` and ``max_scale=`` are accepted; :attr:`scaler` gives the state as
+    an ampscale scaler (``state_dict()``).
 
     Args:
         growth_factor: the scale is multiplied by it after ``growth_interval + 1`` finite steps
@@ -274,12 +280,14 @@ class DynamicScale:
         scale: the current scale (finite, > 0). A Python number stays one until the first
             step, as in flax, so the first scaled loss follows JAX's weak typing exactly.
         minimum_scale: the floor of the backoff (``None``: no floor).
-        check_loss: a scaled loss that is not finite also makes the step non-finite
-            (``False``: only the gradients decide, as in flax; they differ only on a step whose
-            scaled loss overflows while every gradient stays finite).
-        **settings: other ``ampscale.create_scaler`` settings whose state fits in flax's two
-            leaves (``on_floor``, ``max_scale``, ...). ``hysteresis`` and ``floor_patience``
-            need counters of their own: use ``create_scaler(preset="flax", ...)`` for them.
+        check_loss: a scaled loss that is not finite also makes the step non-finite. Off by
+            default, as in flax, where only the gradients decide; the two differ only on a step
+            whose scaled loss overflows while every gradient stays finite.
+        settings: other ``ampscale.create_scaler`` settings whose state fits in flax's two
+            leaves (``on_floor``, ``max_scale``, ...), as keyword arguments (or, as
+            ``dataclasses.replace`` passes them, this field's own value). ``hysteresis`` and
+            ``floor_patience`` need counters of their own: use ``create_scaler(preset="flax",
+            ...)`` for them.
 
     Raises:
         ValueError: an argument is outside its accepted range (the message names it).
@@ -296,13 +304,23 @@ class DynamicScale:
         >>> ds, is_fin, loss, grad = step(ds, jnp.ones(2))
         >>> float(ds.scale)
         2048.0
+        >>> DynamicScale() == DynamicScale()
+        True
     """
 
-    __slots__ = ("_check_loss", "_config", "_fin_steps", "_scale")
-    _check_loss: bool
-    _config: Any
-    _fin_steps: Any
-    _scale: Any
+    # flax's fields, defaults and order; static ones are in the pytree's structure, the other
+    # two are its leaves (see _register_dynamic_scale)
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    fin_steps: Any = 0
+    scale: Any = 65536.0
+    minimum_scale: float | None = _FLAX_TINY
+    # ampscale's: keyword-only, after flax's
+    check_loss: bool = dataclasses.field(default=False, kw_only=True)
+    settings: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), kw_only=True)
+    if TYPE_CHECKING:  # not a field: the ampscale settings made from the fields, set by _set
+        _config: ClassVar[Any]  # per instance in truth; ClassVar keeps it out of the fields
 
     def __init__(
         self,
@@ -311,19 +329,22 @@ class DynamicScale:
         growth_interval: int = 2000,
         fin_steps: Any = 0,
         scale: Any = 65536.0,
-        minimum_scale: float | None = FLOAT32_TINY,
+        minimum_scale: float | None = _FLAX_TINY,
         *,
-        check_loss: bool = True,
-        **settings: Any,
+        check_loss: bool = False,
+        settings: Any = (),
+        **more_settings: Any,
     ) -> None:
-        reserved = sorted(set(settings) & {"init_scale", "min_scale", "preset", "axis_name", "grad_dtype"})
+        merged = dict(settings.items() if isinstance(settings, Mapping) else settings)
+        merged.update(more_settings)
+        reserved = sorted(set(merged) & {"init_scale", "min_scale", "preset", "axis_name", "grad_dtype"})
         if reserved:
             raise TypeError(
                 f"DynamicScale takes flax's arguments {list(_FLAX_NAMES)}; {reserved} have no meaning "
                 "here (the scale is scale=, the floor minimum_scale=, the axis is value_and_grad's "
                 "axis_name=, and gradients are always float32, as in flax)"
             )
-        stateful = sorted(name for name, plain in _STATEFUL.items() if settings.get(name, plain) != plain)
+        stateful = sorted(name for name, plain in _STATEFUL.items() if merged.get(name, plain) != plain)
         if stateful:
             raise TypeError(
                 f"DynamicScale keeps flax's state only (fin_steps and scale, so that flax checkpoints "
@@ -341,57 +362,20 @@ class DynamicScale:
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
-            min_scale=minimum_scale,
-            **settings,
+            min_scale=None if minimum_scale is None else float(minimum_scale),
+            **merged,
         )
-        _set(self, config, fin_steps, scale, check_loss)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"DynamicScale is immutable; use replace() ({name!r})")
+        static = (growth_factor, backoff_factor, growth_interval, minimum_scale, check_loss)
+        _set(self, config, static, tuple(sorted(merged.items(), key=lambda item: item[0])), fin_steps, scale)
 
     def __repr__(self) -> str:
-        c = self._config
-        return (
-            f"DynamicScale(growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}, "
-            f"growth_interval={c.growth_interval}, fin_steps={self._fin_steps!r}, scale={self._scale!r}, "
-            f"minimum_scale={c.min_scale}, check_loss={self._check_loss})"
-        )
-
-    # -- flax's fields --------------------------------------------------------------------------
-    @property
-    def scale(self) -> Any:
-        """The current scale: a 0-d float32 array (a Python number before the first step).
-
-        Traced under ``jit``/``pmap``: log it from inside the step (``metrics["scale"] =
-        dynamic_scale.scale``), as flax programs do.
-        """
-        return self._scale
-
-    @property
-    def fin_steps(self) -> Any:
-        """Finite steps counted towards the next growth (a 0-d int32 array; ``0`` before the
-        first step, as in flax)."""
-        return self._fin_steps
-
-    @property
-    def growth_factor(self) -> float:
-        """The growth factor (static)."""
-        return float(self._config.growth_factor)
-
-    @property
-    def backoff_factor(self) -> float:
-        """The backoff factor (static)."""
-        return float(self._config.backoff_factor)
-
-    @property
-    def growth_interval(self) -> int:
-        """Finite steps, plus one, between growths (flax's count; static)."""
-        return int(self._config.growth_interval)
-
-    @property
-    def minimum_scale(self) -> float | None:
-        """The floor of the scale (static)."""
-        return self._config.min_scale  # type: ignore[no-any-return]
+        # flax's repr (a dataclass's), with ampscale's fields only where they are not the default
+        shown = [f"{name}={getattr(self, name)!r}" for name in _FLAX_NAMES]
+        if self.check_loss:
+            shown.append("check_loss=True")
+        if self.settings:
+            shown.append(f"settings={self.settings!r}")
+        return f"DynamicScale({', '.join(shown)})"
 
     # -- what ampscale adds ---------------------------------------------------------------------
     @property
@@ -399,40 +383,27 @@ class DynamicScale:
         """This state as an ampscale scaler (the flax preset with these settings): ``get_scale()``,
         ``state_dict()``. Only ``scale`` and ``fin_steps`` are state here (flax's two leaves), so
         its step counters start from zero: count skipped steps from ``value_and_grad``'s flag."""
-        return Scaler(self._config, BACKEND.pack(_fields(self._config, self._fin_steps, self._scale)), BACKEND)
-
-    @property
-    def check_loss(self) -> bool:
-        """Whether a non-finite scaled loss makes the step non-finite."""
-        return self._check_loss
+        config = self._config
+        return Scaler(config, BACKEND.pack(_fields(config, self.fin_steps, self.scale)), BACKEND)
 
     def replace(self, **changes: Any) -> DynamicScale:
-        """A copy with some of flax's fields changed (``flax.struct``'s ``replace``).
+        """A copy with some fields changed (``flax.struct``'s ``replace``: ``dataclasses.replace``).
 
         Raises:
-            TypeError: a name that is not one of flax's fields or ``check_loss``.
+            TypeError: a name that is not one of the fields.
             ValueError: a value out of range (named).
         """
-        unknown = sorted(set(changes) - {*_FLAX_NAMES, "check_loss"})
+        unknown = sorted(set(changes) - set(_FIELD_NAMES))
         if unknown:
-            raise TypeError(f"unknown field(s) {unknown}; DynamicScale has {[*_FLAX_NAMES, 'check_loss']}")
-        settings: dict[str, Any] = {
-            key: changes[key] for key in ("growth_factor", "backoff_factor", "growth_interval") if key in changes
-        }
-        if "minimum_scale" in changes:
-            _check_minimum_scale(changes["minimum_scale"])
-            settings["min_scale"] = changes["minimum_scale"]
-        if "scale" in changes:
-            _check_scale(changes["scale"])
-        if "fin_steps" in changes:
-            _check_fin_steps(changes["fin_steps"])
-        check_loss = changes.get("check_loss", self._check_loss)
-        if not isinstance(check_loss, bool):
-            raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
-        config = self._config.replace(**settings) if settings else self._config
-        out = object.__new__(DynamicScale)
-        _set(out, config, changes.get("fin_steps", self._fin_steps), changes.get("scale", self._scale), check_loss)
-        return out
+            raise TypeError(f"unknown field(s) {unknown}; DynamicScale has {list(_FIELD_NAMES)}")
+        if set(changes) <= {"fin_steps", "scale"}:
+            # the state only (every step, under a trace): the settings stay, as they were checked
+            if "scale" in changes:
+                _check_scale(changes["scale"])
+            if "fin_steps" in changes:
+                _check_fin_steps(changes["fin_steps"])
+            return _with_state(self, changes.get("fin_steps", self.fin_steps), changes.get("scale", self.scale))
+        return dataclasses.replace(self, **changes)
 
     # -- the gradient --------------------------------------------------------------------------
     def value_and_grad(
@@ -449,23 +420,30 @@ class DynamicScale:
         The loss is multiplied by :attr:`scale` and differentiated; the gradients are cast to
         float32 and divided by the scale; with ``axis_name`` they are averaged over that
         mapped axis (``lax.pmean``, under ``pmap`` or ``shard_map``; under ``jit`` with
-        sharded arrays none is needed) and checked after the averaging. The flag is then the
-        same on every device: the scaled loss's flag travels in the same all-reduce as the
-        gradients, and under ``shard_map`` on a mesh with more axes (data x model) the flag is
-        also agreed over every axis the gradients still vary over (their model shards), in one
-        more reduction, so no two devices skip different steps. The returned ``dynamic_scale``
-        is already updated.
+        sharded arrays none is needed) and checked after the averaging, so the flag is the
+        same on every device of that axis. The returned ``dynamic_scale`` is already updated.
+
+        Agreement, as in flax, comes from the averaging only: with ``axis_name=None`` (and no
+        ``agree_axes``) each device checks its own gradients and no collective runs, so under
+        ``pmap`` or ``shard_map`` devices may skip different steps, exactly as flax's do. What
+        ampscale adds: with ``axis_name``, under ``shard_map`` on a mesh with more axes (data x
+        model), the flag is also agreed over every axis the averaged gradients still vary over
+        (their model shards), in one more reduction, so no two devices skip different steps;
+        with ``check_loss``, the scaled loss's flag travels in the gradients' own all-reduce.
 
         Args:
             fun: the loss function (its first output is the loss with ``has_aux``).
             argnums: which positional arguments to differentiate.
             has_aux: whether ``fun`` returns ``(loss, aux)``; ``aux`` is then ``(loss, aux)``.
-            axis_name: the mapped axis to average the gradients over (``None``: none).
-            agree_axes: mesh axes to agree on the flag over besides those found (a name or a
-                tuple; for ``shard_map(..., check_vma=False)``, where JAX does not record
-                which axes a value varies over).
+            axis_name: the mapped axis to average the gradients over (``None``: none, and no
+                agreement, as in flax).
+            agree_axes: mesh axes to agree on the flag over besides (a name or a tuple; with it
+                the flag is agreed over these and over every axis it varies over, whatever
+                ``axis_name`` is; for ``shard_map(..., check_vma=False)``, where JAX does not
+                record which axes a value varies over, name the model axes here).
         """
-        scale = self._scale
+        scale = self.scale
+        check_loss = self.check_loss
 
         def scaled(*args: Any) -> Any:
             out = fun(*args)
@@ -480,26 +458,73 @@ class DynamicScale:
             scaled_loss = value[0] if has_aux else value
             loss = scaled_loss / scale
             grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
-            loss_ok = BACKEND.all_finite([scaled_loss]) if self._check_loss else None
+            loss_ok = BACKEND.all_finite([scaled_loss]) if check_loss else None
             grads, loss_ok = _average(grads, loss_ok, axis_name)
             grads_ok = _all_finite(grads)
-            grads_ok, loss_ok = _agree_over_varying(grads_ok, loss_ok, agree_axes)
+            if axis_name is not None or agree_axes is not None:
+                # flax agrees through the pmean alone: without axis_name nothing is agreed
+                grads_ok, loss_ok = _agree_over_varying(grads_ok, loss_ok, agree_axes)
             finite = grads_ok if loss_ok is None else jnp.logical_and(grads_ok, loss_ok)
-            state = _fields(self._config, self._fin_steps, scale)
-            updated = Scaler(self._config, BACKEND.pack(state), BACKEND)._update(BACKEND, finite, loss_ok)
+            config = self._config
+            state = _fields(config, self.fin_steps, scale)
+            updated = Scaler(config, BACKEND.pack(state), BACKEND)._update(BACKEND, finite, loss_ok)
             fields = BACKEND.unpack(updated._state)
-            new = object.__new__(DynamicScale)
-            _set(new, self._config, fields.growth_tracker, fields.scale, self._check_loss)
+            # flax's jnp.where(..., 0, fin_steps + 1): weakly typed when fin_steps was
+            fin_steps = _typed(fields.growth_tracker, _flax_fin_steps_type(self.fin_steps))
+            new = _with_state(self, fin_steps, fields.scale)
             return DynamicScaleResult(new, finite, (loss, value[1]) if has_aux else loss, grads)
 
         return run
 
 
-def _set(target: DynamicScale, config: Any, fin_steps: Any, scale: Any, check_loss: bool) -> None:
-    object.__setattr__(target, "_config", config)
-    object.__setattr__(target, "_fin_steps", fin_steps)
-    object.__setattr__(target, "_scale", scale)
-    object.__setattr__(target, "_check_loss", check_loss)
+#: every field of DynamicScale: flax's six, then ampscale's two
+_FIELD_NAMES = (*_FLAX_NAMES, "check_loss", "settings")
+
+
+def _set(target: DynamicScale, config: Any, static: tuple[Any, ...], settings: Any, fin_steps: Any, scale: Any) -> None:
+    """Fill a DynamicScale's fields (it is frozen: ``object.__setattr__``), and its config."""
+    growth_factor, backoff_factor, growth_interval, minimum_scale, check_loss = static
+    values = {
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "growth_interval": growth_interval,
+        "fin_steps": fin_steps,
+        "scale": scale,
+        "minimum_scale": minimum_scale,
+        "check_loss": check_loss,
+        "settings": settings,
+        "_config": config,
+    }
+    for name, value in values.items():
+        object.__setattr__(target, name, value)
+
+
+def _static(ds: DynamicScale) -> tuple[Any, ...]:
+    return (ds.growth_factor, ds.backoff_factor, ds.growth_interval, ds.minimum_scale, ds.check_loss)
+
+
+def _flax_fin_steps_rule(fin_steps: Any) -> Any:
+    return jnp.where(jnp.bool_(True), 0, fin_steps + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _flax_fin_steps_cached(aval: Any) -> Any:
+    return jax.eval_shape(_flax_fin_steps_rule, aval)
+
+
+def _flax_fin_steps_type(fin_steps: Any) -> Any:
+    """The dtype and weak type of flax's next ``fin_steps`` (a Python ``0`` gives a weakly typed
+    int32, and so does every step after it)."""
+    if _is_jax(fin_steps):
+        return _flax_fin_steps_cached(_aval(fin_steps))
+    return jax.eval_shape(_flax_fin_steps_rule, fin_steps)
+
+
+def _with_state(ds: DynamicScale, fin_steps: Any, scale: Any) -> DynamicScale:
+    """``ds`` with new leaves, made without ``__init__`` (its settings were checked already)."""
+    out = object.__new__(DynamicScale)
+    _set(out, ds._config, _static(ds), ds.settings, fin_steps, scale)
+    return out
 
 
 def _fields(config: Any, fin_steps: Any, scale: Any) -> ScalerState:
@@ -550,16 +575,20 @@ def _concrete(value: Any, name: str) -> float | None:
 def _register_dynamic_scale() -> None:
     keys = (jax.tree_util.GetAttrKey("fin_steps"), jax.tree_util.GetAttrKey("scale"))
 
-    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, bool]]:
-        return (ds._fin_steps, ds._scale), (ds._config, ds._check_loss)
+    def parts(ds: DynamicScale) -> tuple[Any, ...]:
+        return (ds._config, _static(ds), ds.settings)
 
-    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, bool]]:
-        return tuple(zip(keys, (ds._fin_steps, ds._scale), strict=True)), (ds._config, ds._check_loss)
+    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        return (ds.fin_steps, ds.scale), parts(ds)
 
-    def unflatten(aux: tuple[Any, bool], children: Any) -> DynamicScale:
+    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
+        return tuple(zip(keys, (ds.fin_steps, ds.scale), strict=True)), parts(ds)
+
+    def unflatten(aux: tuple[Any, ...], children: Any) -> DynamicScale:
         ds = object.__new__(DynamicScale)
+        config, static, settings = aux
         fin_steps, scale = children
-        _set(ds, aux[0], fin_steps, scale, aux[1])
+        _set(ds, config, static, settings, fin_steps, scale)
         return ds
 
     jax.tree_util.register_pytree_with_keys(DynamicScale, flatten_with_keys, unflatten, flatten)
