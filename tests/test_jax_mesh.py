@@ -299,12 +299,26 @@ def no_vma(agree):
     return jax.jit(shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P("data", "model"),) * 2, check_vma=False))
 
 
+def helper_no_vma(agree):
+    def step(params, x, p):
+        out = ajax.value_and_grad(loss_fn, axis_name="data", agree_axes=agree)(scaler, params, x, p)
+        return out.finite, scaler.update(out.finite, loss_finite=out.loss_finite).state.scale
+
+    def fn(params, x, p):
+        finite, scale = step({"w": params["w"][0]}, x[0], p[0, 0])
+        return finite[None, None], scale[None, None]
+    return jax.jit(shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P("data", "model"),) * 2, check_vma=False))
+
+
 out = {}
 for name, step in (("ours", ours), ("flax", theirs), ("helper", helper), ("unscale", unscale)):
     finite, scale = per_device(step)(params, x, poison)
     out[name] = {"finite": np.asarray(finite).tolist(), "scale": np.asarray(scale).tolist()}
 for name, agree in (("no_vma", None), ("no_vma_agree_axes", "model")):
     finite, scale = no_vma(agree)(params, x, poison)
+    out[name] = {"finite": np.asarray(finite).tolist(), "scale": np.asarray(scale).tolist()}
+for name, agree in (("helper_no_vma", None), ("helper_no_vma_agree_axes", "model")):
+    finite, scale = helper_no_vma(agree)(params, x, poison)
     out[name] = {"finite": np.asarray(finite).tolist(), "scale": np.asarray(scale).tolist()}
 clean = per_device(ours)(params, x, jnp.ones((4, 2)))
 out["clean"] = {"finite": np.asarray(clean[0]).tolist(), "scale": np.asarray(clean[1]).tolist()}
@@ -318,11 +332,13 @@ def test_a_data_by_model_mesh_skips_the_same_steps_on_every_device() -> None:
     and the flag is agreed over every axis they still vary over, so all eight devices skip the
     step and keep the same scale (flax's ``DynamicScale`` skips it on one model shard only).
     ``Scaler.unscale(axis_name="data")`` agrees over the model axis too. Under
-    ``check_vma=False`` JAX records no varying axes: ``agree_axes="model"`` names them."""
+    ``check_vma=False`` JAX records no varying axes: ``agree_axes="model"`` names them, for
+    ``DynamicScale.value_and_grad`` and ``ampscale.jax.value_and_grad`` alike."""
     out = _run(MESH_2D)
     everywhere_skipped = {"finite": [[False, False]] * 4, "scale": [[512.0, 512.0]] * 4}
-    for name in ("ours", "helper", "unscale", "no_vma_agree_axes"):
+    for name in ("ours", "helper", "unscale", "no_vma_agree_axes", "helper_no_vma_agree_axes"):
         assert out[name] == everywhere_skipped, name
     assert out["flax"]["finite"] == [[False, True]] * 4  # the failure this fixes, shown on flax
-    assert out["no_vma"]["finite"] == [[False, True]] * 4  # without vma nor agree_axes, as flax
+    for name in ("no_vma", "helper_no_vma"):  # without vma nor agree_axes, as flax
+        assert out[name]["finite"] == [[False, True]] * 4, name
     assert out["clean"] == {"finite": [[True, True]] * 4, "scale": [[1024.0, 1024.0]] * 4}
