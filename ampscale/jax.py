@@ -353,20 +353,13 @@ class DynamicScale:
             )
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False; got {check_loss!r}")
-        known = _check_scale(scale)
+        _check_scale(scale)
         _check_minimum_scale(minimum_scale)
         _check_fin_steps(fin_steps)
-        config = make_config(
-            "flax",
-            init_scale=65536.0 if known is None else known,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=None if minimum_scale is None else float(minimum_scale),
-            **merged,
-        )
+        ordered = tuple(sorted(merged.items(), key=lambda item: item[0]))
+        config = _flax_config(growth_factor, backoff_factor, growth_interval, minimum_scale, ordered)
         static = (growth_factor, backoff_factor, growth_interval, minimum_scale, check_loss)
-        _set(self, config, static, tuple(sorted(merged.items(), key=lambda item: item[0])), fin_steps, scale)
+        _set(self, config, static, ordered, fin_steps, scale)
 
     def __repr__(self) -> str:
         # flax's repr (a dataclass's), with ampscale's fields only where they are not the default
@@ -475,6 +468,45 @@ class DynamicScale:
             return DynamicScaleResult(new, finite, (loss, value[1]) if has_aux else loss, grads)
 
         return run
+
+
+def _flax_config(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any, minimum_scale: Any, settings: tuple[Any, ...]
+) -> Any:
+    """The flax preset's settings for these fields: the same object for equal fields (cached),
+    whatever the scale, so that two DynamicScales that differ only in their leaves have the same
+    pytree structure, as flax's do (``tree_map``, ``lax.cond`` branches, ``jit``'s cache)."""
+    key = (growth_factor, backoff_factor, growth_interval, minimum_scale, settings)
+    try:
+        return _flax_config_cached(*key)
+    except TypeError as exc:  # a setting that cannot be hashed (a callable that is not): made anew
+        if "unhashable" not in str(exc):
+            raise
+        return _make_flax_config(*key)
+
+
+def _make_flax_config(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any, minimum_scale: Any, settings: tuple[Any, ...]
+) -> Any:
+    floor = None if minimum_scale is None else float(minimum_scale)
+    named = dict(settings)
+    # the scale is a leaf, not a setting: any value is taken, below the floor too, as in flax
+    start = 65536.0 if floor is None else max(65536.0, floor)
+    ceiling = named.get("max_scale")
+    if isinstance(ceiling, numbers.Real) and not isinstance(ceiling, bool):
+        start = min(start, float(ceiling))
+    return make_config(
+        "flax",
+        init_scale=start,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=floor,
+        **named,
+    )
+
+
+_flax_config_cached = functools.lru_cache(maxsize=256)(_make_flax_config)
 
 
 #: every field of DynamicScale: flax's six, then ampscale's two

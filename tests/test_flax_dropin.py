@@ -129,3 +129,19 @@ def test_the_default_flag_is_flaxs_over_random_steps() -> None:
     theirs = run(flax_dynamic_scale.DynamicScale)
     assert run(ajax.DynamicScale) == theirs
     assert sum(np.frombuffer(step[0][-1], bool)[0] for step in theirs) < len(theirs)  # some steps skipped
+
+
+def test_the_leaves_alone_never_change_the_structure(ds_class) -> None:
+    """The scale and ``fin_steps`` are leaves only: two instances that differ in them have one
+    pytree structure (``tree_map`` over both, ``lax.cond`` branches, ``jit``'s cache), and a
+    scale below ``minimum_scale`` is taken (the next backoff lifts it to the floor)."""
+    structure = jax.tree_util.tree_structure
+    assert structure(ds_class(scale=8.0)) == structure(ds_class(scale=16.0, fin_steps=3))
+    assert structure(ds_class()) != structure(ds_class(growth_interval=3))
+    summed = jax.tree_util.tree_map(lambda a, b: a + b, ds_class(scale=8.0), ds_class(scale=16.0, fin_steps=3))
+    assert (float(summed.scale), int(summed.fin_steps)) == (24.0, 3)
+    chosen = jax.jit(lambda flag: jax.lax.cond(flag, lambda: ds_class(scale=2.0), lambda: ds_class(scale=4.0)))
+    assert float(chosen(jnp.bool_(False)).scale) == 4.0
+    low = ds_class(scale=0.5, minimum_scale=1.0)
+    backed_off = low.value_and_grad(lambda w: w * jnp.inf)(jnp.float32(1.0)).dynamic_scale
+    assert float(backed_off.scale) == 1.0
