@@ -475,9 +475,10 @@ class Scaler:
                 them, where writes cannot be watched); found on its first run, on copies,
                 nothing has changed; the scaler is never updated.
             TypeError: ``in_place`` is not a bool, or ``in_place=True`` on JAX.
-            Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying that
-                writable gradients were already unscaled in place and stay so (they cannot be
-                restored exactly), and that the scaler was not updated.
+            Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying what
+                state things are in: raised on its first run, on copies, nothing has changed;
+                raised on a real call, writable gradients were already unscaled in place and
+                stay so (they cannot be restored exactly). The scaler is not updated.
         """
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False; got {in_place!r}")
