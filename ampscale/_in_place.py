@@ -52,9 +52,10 @@ class _Identity(NamedTuple):
 
 #: (backend name, code) -> (cells, weak reference to the owner or None) of the last clean verdict
 _CHECKED: dict[tuple[str, Any], tuple[tuple[Any, ...], Any]] = {}
-#: how many times each code was checked again with new cells or a new owner
+#: checks again of one code with new cells or a new owner, in a row (a step that needed none
+#: ends the row): a function made anew before every step, not once per training run
 _RECHECKS: dict[Any, int] = {}
-#: rechecks of one code after which a PerformanceWarning says how to avoid them
+#: rechecks in a row after which a PerformanceWarning says how to avoid them
 _RECHECKS_BEFORE_WARNING = 3
 
 
@@ -77,9 +78,7 @@ def _identity(update_fn: Any) -> _Identity | None:
     return _Identity(code, tuple(getattr(fn, "__closure__", None) or ()), owner)
 
 
-def _known(backend: Backend, identity: _Identity | None) -> bool:
-    if identity is None:
-        return False
+def _known(backend: Backend, identity: _Identity) -> bool:
     entry = _CHECKED.get((backend.name, identity.code))
     if entry is None:
         return False
@@ -137,7 +136,9 @@ def check_before_the_step(
     (or, where writes cannot be seen, returns them). Nothing real is read or written but the
     arrays' values, copied."""
     identity = _identity(update_fn)
-    if _known(backend, identity):
+    if identity is not None and _known(backend, identity):
+        if _RECHECKS:
+            _RECHECKS.pop(identity.code, None)
         return
     copies: dict[int, Any] = {}
 

@@ -267,8 +267,15 @@ def test_a_verdict_is_kept_per_function_and_rechecked_for_a_new_one(monkeypatch)
     for lr in (0.1, 0.2, 0.3):
         step(make(lr))
     with pytest.warns(ampscale.PerformanceWarning, match="Make it once, outside the training loop"):
-        step(make(0.4))  # the third check again of one code
+        step(make(0.4))  # the third check again of one code, in a row
     assert calls == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    # made once per training run: checked again once per run, and no warning (they error here)
+    calls.clear()
+    for run in range(5):
+        update = make(run)
+        for _ in range(2):
+            step(update)
+    assert calls == [run for run in range(5) for _ in range(3)]
 
 
 def test_an_update_that_starts_writing_in_place_later_is_found_after_the_write(fw) -> None:
