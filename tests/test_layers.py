@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("backend registry", ("ampscale.backends",)),
-    ("scaler", ("ampscale._scaler", "ampscale.fp8._scaler")),
+    ("scaler", ("ampscale._scaler", "ampscale._in_place", "ampscale.fp8._scaler")),
     ("diagnostics", ("ampscale._diagnostics",)),
     ("package", ("ampscale", "ampscale._info", "ampscale.fp8")),
     (
