@@ -56,11 +56,13 @@ class InPlaceUpdateError(AmpscaleError, ValueError):
     On a device (CuPy, torch on a GPU, array-API namespaces) ``step`` computes the update before
     the overflow flag is known and keeps the old values leaf by leaf where the step overflowed,
     so an update written in place would already hold the overflowed step. It is refused on
-    every backend whose arrays can be written (so a test on the CPU finds it), before the
-    scaler changes: NumPy (and NumPy-backed array-API namespaces) refuse the write itself, so
-    nothing has changed; torch sees it after the call, by the tensors' version counters; CuPy
-    cannot see writes, so it refuses an ``update_fn`` that returns the arrays it was given. For
-    an update in place, pass ``in_place=True`` and apply it with :func:`ampscale.masked_add_`.
+    every backend whose arrays can be written (so a test on the CPU finds it). The first time
+    ``step`` sees an ``update_fn`` it runs it once on copies and watches them (NumPy: made
+    read-only, the write itself raises; torch: version counters; CuPy and other namespaces: the
+    copies compared bit for bit afterwards, and returning a copy refused, since later calls
+    cannot be watched there): a refusal then comes before anything changes. Every real call is
+    watched too, where a write found has already happened. For an update in place, pass
+    ``in_place=True`` and apply it with :func:`ampscale.masked_add_`.
     """
 
 

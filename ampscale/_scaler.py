@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
 from ampscale._core import REASONS, ScalerState, initial_values
-from ampscale._errors import AmpscaleWarning, InPlaceUpdateError, ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
+from ampscale._in_place import check_before_the_step, checked_update
 from ampscale.backends import backend_of, backend_of_leaves, get_backend
 from ampscale.backends._base import name_leaves, when_adapter_ready
 
@@ -447,14 +448,20 @@ class Scaler:
                 whose flag lives on a device (JAX, CuPy, torch on a GPU) it is evaluated on every
                 step and its result discarded leaf by leaf on overflow; on host backends it is
                 not called at all on overflow. Where arrays can be written (NumPy, CuPy, torch,
-                array-API namespaces) an ``update_fn`` that writes into ``params`` or
-                ``opt_state``, or (where writes cannot be seen: CuPy) returns those arrays
-                themselves, raises :class:`InPlaceUpdateError` (see there for what is detected
-                where). With ``in_place=True``: ``(params, grads, opt_state, finite) -> (params,
-                opt_state)``, an update in place that applies itself only where the 0-d flag
-                ``finite`` is true, with :func:`masked_add_` and :func:`masked_copy_` (as
-                torch's fused optimizers take ``found_inf``): no host sync, and on host backends
-                not called on overflow.
+                array-API namespaces) a new ``update_fn`` is first run once on copies of
+                ``params``, ``opt_state`` and the (still scaled) ``grads``, and one that writes
+                into the copies of ``params`` or ``opt_state`` (or, on backends that cannot watch
+                writes: CuPy, returns them) raises :class:`InPlaceUpdateError` before anything
+                changes. That first run is one more call (side effects outside its arguments
+                happen twice then), a copy of the three trees, and on CuPy one host read; its
+                verdict is kept for the function's code, closure cells and bound instance, so a
+                function made once is checked once (see :mod:`ampscale._in_place` for what is
+                and is not seen). Every real call is watched too (a write found there has
+                happened on the device path). With ``in_place=True``: ``(params, grads,
+                opt_state, finite) -> (params, opt_state)``, an update in place that applies
+                itself only where the 0-d flag ``finite`` is true, with :func:`masked_add_` and
+                :func:`masked_copy_` (as torch's fused optimizers take ``found_inf``): no host
+                sync, no check on copies, and on host backends not called on overflow.
             params: a tree of arrays, the parameters.
             grads: a tree of arrays, the (still scaled) gradients.
             opt_state: a tree of arrays, the optimizer state.
@@ -469,11 +476,13 @@ class Scaler:
 
         Raises:
             InPlaceUpdateError: ``update_fn`` wrote into the arrays it was given (or returned
-                them, where writes cannot be seen); the scaler is not updated.
+                them, where writes cannot be watched); found on its first run, on copies,
+                nothing has changed; the scaler is never updated.
             TypeError: ``in_place`` is not a bool, or ``in_place=True`` on JAX.
-            Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying that
-                writable gradients were already unscaled in place and stay so (they cannot be
-                restored exactly), and that the scaler was not updated.
+            Exception: whatever ``update_fn`` raises, with a note (Python 3.11+) saying what
+                state things are in: raised on its first run, on copies, nothing has changed;
+                raised on a real call, writable gradients were already unscaled in place and
+                stay so (they cannot be restored exactly). The scaler is not updated.
         """
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False; got {in_place!r}")
@@ -486,6 +495,10 @@ class Scaler:
                 f"in_place=True writes into the parameters, which {backend.name} arrays do not allow: "
                 "use a functional update_fn (in_place=False)"
             )
+        if not in_place and backend.mutable_arrays:
+            # a new update_fn runs once on copies first: one written in place is refused before
+            # anything changes (its first real call, on a device, would write an overflowed step)
+            check_before_the_step(update_fn, backend, params, grads, opt_state)
         grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
         try:
             if in_place:
@@ -493,7 +506,7 @@ class Scaler:
             else:
                 checked = update_fn
                 if backend.mutable_arrays:  # JAX arrays cannot be written: nothing to check
-                    checked = _checked_update(update_fn, backend, params, opt_state)
+                    checked = checked_update(update_fn, backend, params, opt_state)
                 new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state)
         except Exception as exc:
             _note_unscaled(exc, backend)
@@ -600,64 +613,6 @@ class Scaler:
 
 #: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
 _set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
-
-
-def _checked_update(
-    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, opt_state: Any
-) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    """``update_fn``, refusing (:class:`InPlaceUpdateError`) an update that writes into
-    ``params`` or ``opt_state``, or, where the backend cannot see writes, returns them."""
-    named: list[tuple[str, Any]] = []
-    for prefix, tree in (("params", params), ("opt_state", opt_state)):
-        leaves, spec = backend.flatten(tree)
-        paths = backend.leaf_paths(spec) if leaves else []
-        named += [(prefix + ("" if path == "<root>" else path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
-    named = [(name, leaf) for name, leaf in named if backend.owns(leaf)]
-    watched = [leaf for _, leaf in named]
-
-    def run(p: Any, g: Any, s: Any) -> tuple[Any, Any]:
-        with backend.guard_writes(watched) as guard:
-            try:
-                out = update_fn(p, g, s)
-            except Exception as exc:
-                if guard.refused(exc):
-                    raise InPlaceUpdateError(_in_place_message(backend, "wrote into one of", named, [])) from exc
-                raise
-        written = guard.written()
-        if written:
-            raise InPlaceUpdateError(_in_place_message(backend, "wrote into", named, written))
-        if written is None and watched:
-            given = {id(leaf): i for i, leaf in enumerate(watched)}
-            returned = [given[id(x)] for x in backend.flatten(out)[0] if id(x) in given]
-            if returned:
-                raise InPlaceUpdateError(_in_place_message(backend, "returned", named, sorted(set(returned))))
-        return out
-
-    return run
-
-
-def _in_place_message(backend: Backend, what: str, named: list[tuple[str, Any]], indices: list[int]) -> str:
-    shown = [named[i][0] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
-    which = ", ".join(shown) if shown else f"its arrays ({', '.join(n for n, _ in named[:4])}, ...)"
-    if what == "returned":
-        head = (
-            f"update_fn returned {which}, the arrays it was given: on the {backend.name} backend ampscale "
-            "cannot see whether they were written in place, and on a step that overflowed the select "
-            "keeps the old arrays, which an in-place update has already changed"
-        )
-    else:
-        head = (
-            f"update_fn {what} {which} in place: Scaler.step computes the update before a device's "
-            "overflow flag is known and keeps the old arrays where the step overflowed, so an in-place "
-            f"update would already hold the overflowed step; it is refused on every backend ({backend.name} "
-            "here) so that a test on the CPU finds it"
-        )
-    return (
-        f"{head}. Return new arrays (a functional update; a copy for a leaf it leaves as it is), or "
-        "update in place with the flag: scaler.step(update_fn, ..., in_place=True) passes it as "
-        "update_fn's fourth argument, for ampscale.masked_add_ and ampscale.masked_copy_. The scaler "
-        "was not updated"
-    )
 
 
 def _note_unscaled(exc: BaseException, backend: Backend) -> None:

@@ -46,8 +46,8 @@ import functools
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeVar, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, Union
 
 from ampscale._info import missing_framework
 
@@ -58,7 +58,7 @@ try:
 except ModuleNotFoundError as exc:  # say what to install, not only what is missing
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._config import _UNSET, FLOAT32_TINY, INT32_MAX, INT32_MIN, _round_to, make_config, shown
+from ampscale._config import _UNSET, INT32_MAX, INT32_MIN, _round_to, make_config, shown
 from ampscale._core import INT_FIELDS, ScalerState, initial_values, transition
 from ampscale._errors import ScaleAtFloorError
 from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
@@ -242,28 +242,34 @@ class DynamicScaleResult(NamedTuple):
 
 
 _FLAX_NAMES = ("growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale", "minimum_scale")
+#: flax's default floor, as flax writes it (``jnp.finfo(jnp.float32).tiny``, a NumPy float32)
+_FLAX_TINY = np.finfo(np.float32).tiny
 #: settings whose state would need more than flax's two leaves
 _STATEFUL = {"hysteresis": 1, "floor_patience": 1}
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class DynamicScale:
     """``flax.training.dynamic_scale.DynamicScale``, driven by an ampscale scaler (``preset="flax"``).
 
-    Same arguments, same defaults, same pytree (its leaves are flax's, ``fin_steps`` and
-    ``scale``, in that order and with those names, so a flax checkpoint restores into it and
-    back: orbax, ``flax.training.checkpoints`` and ``flax.serialization``), the same use (a field
-    of a flax ``TrainState``, replicated for ``pmap``, passed through ``jit``, ``scan`` and
-    ``shard_map``), the same :meth:`value_and_grad`, the same results bit for bit: the trajectory
-    of :attr:`scale`, the flag, the loss and the float32 gradients. Port a flax program by
-    changing the import::
+    Same arguments, same defaults, same dataclass (flax's six fields, in flax's order, compared
+    by ``==`` as flax's are; ``dataclasses.replace`` and ``.replace()``; flax's ``repr``), same
+    pytree (its leaves are flax's, ``fin_steps`` and ``scale``, in that order and with those
+    names, so a flax checkpoint restores into it and back: orbax, ``flax.training.checkpoints``
+    and ``flax.serialization``), the same use (a field of a flax ``TrainState``, replicated for
+    ``pmap``, passed through ``jit``, ``scan`` and ``shard_map``), the same
+    :meth:`value_and_grad`, the same results bit for bit: the trajectory of :attr:`scale`, the
+    flag, the loss and the float32 gradients. Port a flax program by changing the import::
 
         # from flax.training.dynamic_scale import DynamicScale
         from ampscale.jax import DynamicScale
 
-    What ampscale adds: the scaled loss is checked too (``check_loss``), the flag is agreed over
-    every mesh axis the gradients vary over (``agree_axes``), the settings are validated (a
-    ``ValueError`` names the argument), ``on_floor=`` and ``max_scale=`` are accepted, and
-    :attr:`scaler` gives the state as an ampscale scaler (``state_dict()``).
+    What ampscale adds, all opt-in or where flax's fails: ``check_loss=True`` checks the scaled
+    loss too; with ``axis_name`` on a mesh with more axes (data x model) the flag is agreed
+    over every axis the gradients vary over (flax's devices skip different steps there), and
+    ``agree_axes`` names more; the settings are validated (a ``ValueError`` names the
+    argument); ``on_floor=`` and ``max_scale=`` are accepted; :attr:`scaler` gives the state as
+    an ampscale scaler (``state_dict()``).
 
     Args:
         growth_factor: the scale is multiplied by it after ``growth_interval + 1`` finite steps
@@ -274,12 +280,14 @@ class DynamicScale:
         scale: the current scale (finite, > 0). A Python number stays one until the first
             step, as in flax, so the first scaled loss follows JAX's weak typing exactly.
         minimum_scale: the floor of the backoff (``None``: no floor).
-        check_loss: a scaled loss that is not finite also makes the step non-finite
-            (``False``: only the gradients decide, as in flax; they differ only on a step whose
-            scaled loss overflows while every gradient stays finite).
-        **settings: other ``ampscale.create_scaler`` settings whose state fits in flax's two
-            leaves (``on_floor``, ``max_scale``, ...). ``hysteresis`` and ``floor_patience``
-            need counters of their own: use ``create_scaler(preset="flax", ...)`` for them.
+        check_loss: a scaled loss that is not finite also makes the step non-finite. Off by
+            default, as in flax, where only the gradients decide; the two differ only on a step
+            whose scaled loss overflows while every gradient stays finite.
+        settings: other ``ampscale.create_scaler`` settings whose state fits in flax's two
+            leaves (``on_floor``, ``max_scale``, ...), as keyword arguments (or, as
+            ``dataclasses.replace`` passes them, this field's own value). ``hysteresis`` and
+            ``floor_patience`` need counters of their own: use ``create_scaler(preset="flax",
+            ...)`` for them.
 
     Raises:
         ValueError: an argument is outside its accepted range (the message names it).
@@ -296,13 +304,23 @@ class DynamicScale:
         >>> ds, is_fin, loss, grad = step(ds, jnp.ones(2))
         >>> float(ds.scale)
         2048.0
+        >>> DynamicScale() == DynamicScale()
+        True
     """
 
-    __slots__ = ("_check_loss", "_config", "_fin_steps", "_scale")
-    _check_loss: bool
-    _config: Any
-    _fin_steps: Any
-    _scale: Any
+    # flax's fields, defaults and order; static ones are in the pytree's structure, the other
+    # two are its leaves (see _register_dynamic_scale)
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    fin_steps: Any = 0
+    scale: Any = 65536.0
+    minimum_scale: float | None = _FLAX_TINY
+    # ampscale's: keyword-only, after flax's
+    check_loss: bool = dataclasses.field(default=False, kw_only=True)
+    settings: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), kw_only=True)
+    if TYPE_CHECKING:  # not a field: the ampscale settings made from the fields, set by _set
+        _config: ClassVar[Any]  # per instance in truth; ClassVar keeps it out of the fields
 
     def __init__(
         self,
@@ -311,19 +329,22 @@ class DynamicScale:
         growth_interval: int = 2000,
         fin_steps: Any = 0,
         scale: Any = 65536.0,
-        minimum_scale: float | None = FLOAT32_TINY,
+        minimum_scale: float | None = _FLAX_TINY,
         *,
-        check_loss: bool = True,
-        **settings: Any,
+        check_loss: bool = False,
+        settings: Any = (),
+        **more_settings: Any,
     ) -> None:
-        reserved = sorted(set(settings) & {"init_scale", "min_scale", "preset", "axis_name", "grad_dtype"})
+        merged = dict(settings.items() if isinstance(settings, Mapping) else settings)
+        merged.update(more_settings)
+        reserved = sorted(set(merged) & {"init_scale", "min_scale", "preset", "axis_name", "grad_dtype"})
         if reserved:
             raise TypeError(
                 f"DynamicScale takes flax's arguments {list(_FLAX_NAMES)}; {reserved} have no meaning "
                 "here (the scale is scale=, the floor minimum_scale=, the axis is value_and_grad's "
                 "axis_name=, and gradients are always float32, as in flax)"
             )
-        stateful = sorted(name for name, plain in _STATEFUL.items() if settings.get(name, plain) != plain)
+        stateful = sorted(name for name, plain in _STATEFUL.items() if merged.get(name, plain) != plain)
         if stateful:
             raise TypeError(
                 f"DynamicScale keeps flax's state only (fin_steps and scale, so that flax checkpoints "
@@ -332,66 +353,22 @@ class DynamicScale:
             )
         if not isinstance(check_loss, bool):
             raise TypeError(f"check_loss must be True or False; got {shown(check_loss)}")
-        known = _check_scale(scale)
+        _check_scale(scale)
         _check_minimum_scale(minimum_scale)
         _check_fin_steps(fin_steps)
-        config = make_config(
-            "flax",
-            init_scale=65536.0 if known is None else known,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=minimum_scale,
-            **settings,
-        )
-        _set(self, config, fin_steps, scale, check_loss)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"DynamicScale is immutable; use replace() ({name!r})")
+        ordered = tuple(sorted(merged.items(), key=lambda item: item[0]))
+        config = _flax_config(growth_factor, backoff_factor, growth_interval, minimum_scale, ordered)
+        static = (growth_factor, backoff_factor, growth_interval, minimum_scale, check_loss)
+        _set(self, config, static, ordered, fin_steps, scale)
 
     def __repr__(self) -> str:
-        c = self._config
-        return (
-            f"DynamicScale(growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}, "
-            f"growth_interval={c.growth_interval}, fin_steps={self._fin_steps!r}, scale={self._scale!r}, "
-            f"minimum_scale={c.min_scale}, check_loss={self._check_loss})"
-        )
-
-    # -- flax's fields --------------------------------------------------------------------------
-    @property
-    def scale(self) -> Any:
-        """The current scale: a 0-d float32 array (a Python number before the first step).
-
-        Traced under ``jit``/``pmap``: log it from inside the step (``metrics["scale"] =
-        dynamic_scale.scale``), as flax programs do.
-        """
-        return self._scale
-
-    @property
-    def fin_steps(self) -> Any:
-        """Finite steps counted towards the next growth (a 0-d int32 array; ``0`` before the
-        first step, as in flax)."""
-        return self._fin_steps
-
-    @property
-    def growth_factor(self) -> float:
-        """The growth factor (static)."""
-        return float(self._config.growth_factor)
-
-    @property
-    def backoff_factor(self) -> float:
-        """The backoff factor (static)."""
-        return float(self._config.backoff_factor)
-
-    @property
-    def growth_interval(self) -> int:
-        """Finite steps, plus one, between growths (flax's count; static)."""
-        return int(self._config.growth_interval)
-
-    @property
-    def minimum_scale(self) -> float | None:
-        """The floor of the scale (static)."""
-        return self._config.min_scale  # type: ignore[no-any-return]
+        # flax's repr (a dataclass's), with ampscale's fields only where they are not the default
+        shown = [f"{name}={getattr(self, name)!r}" for name in _FLAX_NAMES]
+        if self.check_loss:
+            shown.append("check_loss=True")
+        if self.settings:
+            shown.append(f"settings={self.settings!r}")
+        return f"DynamicScale({', '.join(shown)})"
 
     # -- what ampscale adds ---------------------------------------------------------------------
     @property
@@ -399,40 +376,27 @@ class DynamicScale:
         """This state as an ampscale scaler (the flax preset with these settings): ``get_scale()``,
         ``state_dict()``. Only ``scale`` and ``fin_steps`` are state here (flax's two leaves), so
         its step counters start from zero: count skipped steps from ``value_and_grad``'s flag."""
-        return Scaler(self._config, BACKEND.pack(_fields(self._config, self._fin_steps, self._scale)), BACKEND)
-
-    @property
-    def check_loss(self) -> bool:
-        """Whether a non-finite scaled loss makes the step non-finite."""
-        return self._check_loss
+        config = self._config
+        return Scaler(config, BACKEND.pack(_fields(config, self.fin_steps, self.scale)), BACKEND)
 
     def replace(self, **changes: Any) -> DynamicScale:
-        """A copy with some of flax's fields changed (``flax.struct``'s ``replace``).
+        """A copy with some fields changed (``flax.struct``'s ``replace``: ``dataclasses.replace``).
 
         Raises:
-            TypeError: a name that is not one of flax's fields or ``check_loss``.
+            TypeError: a name that is not one of the fields.
             ValueError: a value out of range (named).
         """
-        unknown = sorted(set(changes) - {*_FLAX_NAMES, "check_loss"})
+        unknown = sorted(set(changes) - set(_FIELD_NAMES))
         if unknown:
-            raise TypeError(f"unknown field(s) {unknown}; DynamicScale has {[*_FLAX_NAMES, 'check_loss']}")
-        settings: dict[str, Any] = {
-            key: changes[key] for key in ("growth_factor", "backoff_factor", "growth_interval") if key in changes
-        }
-        if "minimum_scale" in changes:
-            _check_minimum_scale(changes["minimum_scale"])
-            settings["min_scale"] = changes["minimum_scale"]
-        if "scale" in changes:
-            _check_scale(changes["scale"])
-        if "fin_steps" in changes:
-            _check_fin_steps(changes["fin_steps"])
-        check_loss = changes.get("check_loss", self._check_loss)
-        if not isinstance(check_loss, bool):
-            raise TypeError(f"check_loss must be True or False; got {shown(check_loss)}")
-        config = self._config.replace(**settings) if settings else self._config
-        out = object.__new__(DynamicScale)
-        _set(out, config, changes.get("fin_steps", self._fin_steps), changes.get("scale", self._scale), check_loss)
-        return out
+            raise TypeError(f"unknown field(s) {unknown}; DynamicScale has {list(_FIELD_NAMES)}")
+        if set(changes) <= {"fin_steps", "scale"}:
+            # the state only (every step, under a trace): the settings stay, as they were checked
+            if "scale" in changes:
+                _check_scale(changes["scale"])
+            if "fin_steps" in changes:
+                _check_fin_steps(changes["fin_steps"])
+            return _with_state(self, changes.get("fin_steps", self.fin_steps), changes.get("scale", self.scale))
+        return dataclasses.replace(self, **changes)
 
     # -- the gradient --------------------------------------------------------------------------
     def value_and_grad(
@@ -449,23 +413,30 @@ class DynamicScale:
         The loss is multiplied by :attr:`scale` and differentiated; the gradients are cast to
         float32 and divided by the scale; with ``axis_name`` they are averaged over that
         mapped axis (``lax.pmean``, under ``pmap`` or ``shard_map``; under ``jit`` with
-        sharded arrays none is needed) and checked after the averaging. The flag is then the
-        same on every device: the scaled loss's flag travels in the same all-reduce as the
-        gradients, and under ``shard_map`` on a mesh with more axes (data x model) the flag is
-        also agreed over every axis the gradients still vary over (their model shards), in one
-        more reduction, so no two devices skip different steps. The returned ``dynamic_scale``
-        is already updated.
+        sharded arrays none is needed) and checked after the averaging, so the flag is the
+        same on every device of that axis. The returned ``dynamic_scale`` is already updated.
+
+        Agreement, as in flax, comes from the averaging only: with ``axis_name=None`` (and no
+        ``agree_axes``) each device checks its own gradients and no collective runs, so under
+        ``pmap`` or ``shard_map`` devices may skip different steps, exactly as flax's do. What
+        ampscale adds: with ``axis_name``, under ``shard_map`` on a mesh with more axes (data x
+        model), the flag is also agreed over every axis the averaged gradients still vary over
+        (their model shards), in one more reduction, so no two devices skip different steps;
+        with ``check_loss``, the scaled loss's flag travels in the gradients' own all-reduce.
 
         Args:
             fun: the loss function (its first output is the loss with ``has_aux``).
             argnums: which positional arguments to differentiate.
             has_aux: whether ``fun`` returns ``(loss, aux)``; ``aux`` is then ``(loss, aux)``.
-            axis_name: the mapped axis to average the gradients over (``None``: none).
-            agree_axes: mesh axes to agree on the flag over besides those found (a name or a
-                tuple; for ``shard_map(..., check_vma=False)``, where JAX does not record
-                which axes a value varies over).
+            axis_name: the mapped axis to average the gradients over (``None``: none, and no
+                agreement, as in flax).
+            agree_axes: mesh axes to agree on the flag over besides (a name or a tuple; with it
+                the flag is agreed over these and over every axis it varies over, whatever
+                ``axis_name`` is; for ``shard_map(..., check_vma=False)``, where JAX does not
+                record which axes a value varies over, name the model axes here).
         """
-        scale = self._scale
+        scale = self.scale
+        check_loss = self.check_loss
 
         def scaled(*args: Any) -> Any:
             out = fun(*args)
@@ -480,26 +451,112 @@ class DynamicScale:
             scaled_loss = value[0] if has_aux else value
             loss = scaled_loss / scale
             grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
-            loss_ok = BACKEND.all_finite([scaled_loss]) if self._check_loss else None
+            loss_ok = BACKEND.all_finite([scaled_loss]) if check_loss else None
             grads, loss_ok = _average(grads, loss_ok, axis_name)
             grads_ok = _all_finite(grads)
-            grads_ok, loss_ok = _agree_over_varying(grads_ok, loss_ok, agree_axes)
+            if axis_name is not None or agree_axes is not None:
+                # flax agrees through the pmean alone: without axis_name nothing is agreed
+                grads_ok, loss_ok = _agree_over_varying(grads_ok, loss_ok, agree_axes)
             finite = grads_ok if loss_ok is None else jnp.logical_and(grads_ok, loss_ok)
-            state = _fields(self._config, self._fin_steps, scale)
-            updated = Scaler(self._config, BACKEND.pack(state), BACKEND)._update(BACKEND, finite, loss_ok)
+            config = self._config
+            state = _fields(config, self.fin_steps, scale)
+            updated = Scaler(config, BACKEND.pack(state), BACKEND)._update(BACKEND, finite, loss_ok)
             fields = BACKEND.unpack(updated._state)
-            new = object.__new__(DynamicScale)
-            _set(new, self._config, fields.growth_tracker, fields.scale, self._check_loss)
+            # flax's jnp.where(..., 0, fin_steps + 1): weakly typed when fin_steps was
+            fin_steps = _typed(fields.growth_tracker, _flax_fin_steps_type(self.fin_steps))
+            new = _with_state(self, fin_steps, fields.scale)
             return DynamicScaleResult(new, finite, (loss, value[1]) if has_aux else loss, grads)
 
         return run
 
 
-def _set(target: DynamicScale, config: Any, fin_steps: Any, scale: Any, check_loss: bool) -> None:
-    object.__setattr__(target, "_config", config)
-    object.__setattr__(target, "_fin_steps", fin_steps)
-    object.__setattr__(target, "_scale", scale)
-    object.__setattr__(target, "_check_loss", check_loss)
+def _flax_config(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any, minimum_scale: Any, settings: tuple[Any, ...]
+) -> Any:
+    """The flax preset's settings for these fields: the same object for equal fields (cached),
+    whatever the scale, so that two DynamicScales that differ only in their leaves have the same
+    pytree structure, as flax's do (``tree_map``, ``lax.cond`` branches, ``jit``'s cache)."""
+    key = (growth_factor, backoff_factor, growth_interval, minimum_scale, settings)
+    try:
+        return _flax_config_cached(*key)
+    except TypeError as exc:  # a setting that cannot be hashed (a callable that is not): made anew
+        if "unhashable" not in str(exc):
+            raise
+        return _make_flax_config(*key)
+
+
+def _make_flax_config(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any, minimum_scale: Any, settings: tuple[Any, ...]
+) -> Any:
+    floor = None if minimum_scale is None else float(minimum_scale)
+    named = dict(settings)
+    # the scale is a leaf, not a setting: any value is taken, below the floor too, as in flax
+    start = 65536.0 if floor is None else max(65536.0, floor)
+    ceiling = named.get("max_scale")
+    if isinstance(ceiling, numbers.Real) and not isinstance(ceiling, bool):
+        start = min(start, float(ceiling))
+    return make_config(
+        "flax",
+        init_scale=start,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=floor,
+        **named,
+    )
+
+
+_flax_config_cached = functools.lru_cache(maxsize=256)(_make_flax_config)
+
+
+#: every field of DynamicScale: flax's six, then ampscale's two
+_FIELD_NAMES = (*_FLAX_NAMES, "check_loss", "settings")
+
+
+def _set(target: DynamicScale, config: Any, static: tuple[Any, ...], settings: Any, fin_steps: Any, scale: Any) -> None:
+    """Fill a DynamicScale's fields (it is frozen: ``object.__setattr__``), and its config."""
+    growth_factor, backoff_factor, growth_interval, minimum_scale, check_loss = static
+    values = {
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "growth_interval": growth_interval,
+        "fin_steps": fin_steps,
+        "scale": scale,
+        "minimum_scale": minimum_scale,
+        "check_loss": check_loss,
+        "settings": settings,
+        "_config": config,
+    }
+    for name, value in values.items():
+        object.__setattr__(target, name, value)
+
+
+def _static(ds: DynamicScale) -> tuple[Any, ...]:
+    return (ds.growth_factor, ds.backoff_factor, ds.growth_interval, ds.minimum_scale, ds.check_loss)
+
+
+def _flax_fin_steps_rule(fin_steps: Any) -> Any:
+    return jnp.where(jnp.bool_(True), 0, fin_steps + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _flax_fin_steps_cached(aval: Any) -> Any:
+    return jax.eval_shape(_flax_fin_steps_rule, aval)
+
+
+def _flax_fin_steps_type(fin_steps: Any) -> Any:
+    """The dtype and weak type of flax's next ``fin_steps`` (a Python ``0`` gives a weakly typed
+    int32, and so does every step after it)."""
+    if _is_jax(fin_steps):
+        return _flax_fin_steps_cached(_aval(fin_steps))
+    return jax.eval_shape(_flax_fin_steps_rule, fin_steps)
+
+
+def _with_state(ds: DynamicScale, fin_steps: Any, scale: Any) -> DynamicScale:
+    """``ds`` with new leaves, made without ``__init__`` (its settings were checked already)."""
+    out = object.__new__(DynamicScale)
+    _set(out, ds._config, _static(ds), ds.settings, fin_steps, scale)
+    return out
 
 
 def _fields(config: Any, fin_steps: Any, scale: Any) -> ScalerState:
@@ -558,16 +615,20 @@ def _float(value: Any) -> float:
 def _register_dynamic_scale() -> None:
     keys = (jax.tree_util.GetAttrKey("fin_steps"), jax.tree_util.GetAttrKey("scale"))
 
-    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, bool]]:
-        return (ds._fin_steps, ds._scale), (ds._config, ds._check_loss)
+    def parts(ds: DynamicScale) -> tuple[Any, ...]:
+        return (ds._config, _static(ds), ds.settings)
 
-    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, bool]]:
-        return tuple(zip(keys, (ds._fin_steps, ds._scale), strict=True)), (ds._config, ds._check_loss)
+    def flatten(ds: DynamicScale) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        return (ds.fin_steps, ds.scale), parts(ds)
 
-    def unflatten(aux: tuple[Any, bool], children: Any) -> DynamicScale:
+    def flatten_with_keys(ds: DynamicScale) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
+        return tuple(zip(keys, (ds.fin_steps, ds.scale), strict=True)), parts(ds)
+
+    def unflatten(aux: tuple[Any, ...], children: Any) -> DynamicScale:
         ds = object.__new__(DynamicScale)
+        config, static, settings = aux
         fin_steps, scale = children
-        _set(ds, aux[0], fin_steps, scale, aux[1])
+        _set(ds, config, static, settings, fin_steps, scale)
         return ds
 
     jax.tree_util.register_pytree_with_keys(DynamicScale, flatten_with_keys, unflatten, flatten)
@@ -602,11 +663,15 @@ def _dtype_of(value: Any) -> Any:
 
 def _warn_if_not_floating(value: Any, name: str) -> None:
     """jmp's warning for a loss scale that is not a floating value (``UserWarning``)."""
-    if type(value) is object:  # JAX's placeholder while it builds a pytree's structure
+    if not isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray, np.generic, numbers.Number)):
+        # what JAX and orbax put in a pytree while they build its structure (object(), abstract
+        # values, SaveArgs, restore templates): no value to warn about (jmp's check skips the
+        # first and raises on the others, which JAX catches and orbax does not)
         return
     dtype = _dtype_of(value)
     if not jnp.issubdtype(dtype, jnp.floating):
-        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=3)
+        # jmp's warning, from one place, as jmp's is: shown once per process by default
+        warnings.warn(f"Expected floating type for {name}, got {dtype}")  # noqa: B028
 
 
 def _is_strong_float32(value: Any) -> bool:
@@ -705,31 +770,6 @@ class StaticLossScale:
         return self
 
 
-class _Fixed:
-    """A value kept in a pytree's static structure (hashed and compared by dtype and value)."""
-
-    __slots__ = ("key", "value")
-
-    def __init__(self, value: Any, name: str) -> None:
-        if isinstance(value, jax.core.Tracer):
-            raise TypeError(
-                f"{name} is part of the loss scale's static structure (it is not a pytree leaf, as in "
-                f"jmp), so it must be a concrete value; got a traced {jax.typeof(value)}: build the loss "
-                "scale with a concrete min_loss_scale"
-            )
-        self.value = value
-        self.key = (type(value).__name__, str(_dtype_of(value)), np.asarray(value).tobytes())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Fixed) and other.key == self.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """``jmp.DynamicLossScale``, driven by ampscale's scaler (``preset="jmp"``).
@@ -737,29 +777,37 @@ class DynamicLossScale:
     Every ``period`` finite steps in a row the scale is multiplied by ``factor`` (unless that
     overflows its dtype); on a non-finite step it is divided by ``factor``, never below
     ``min_loss_scale``, and the counter restarts. Same constructor, fields, methods, pytree
-    leaves (``loss_scale`` and ``counter``, in that order, unnamed as jmp's) and results, bit for
-    bit and dtype for dtype, as jmp's; a jmp checkpoint restores into it and back. Port a jmp
-    program by its import::
+    structure and results, bit for bit and dtype for dtype, as jmp's; a jmp checkpoint restores
+    into it and back. Port a jmp program by its import::
 
         # import jmp
         import ampscale.jax as jmp
 
-    Two differences, both fixes: ``min_loss_scale`` is kept in the pytree's static structure, so
-    no ``jit`` or ``tree_map`` round trip resets it to 1 (jmp drops it); and a ``min_loss_scale``
-    of 0 (or below float32's smallest normal value) stops the scale at that smallest normal
-    value, where jmp's scale reaches 0 and every later step overflows.
+    The pytree is jmp's exactly: the leaves are ``loss_scale`` and ``counter`` (in that order,
+    unnamed), the static structure is ``(period, factor)``, and ``min_loss_scale`` is in neither:
+    as in jmp, a loss scale that crosses a ``jit``, ``pmap``, ``scan``, ``cond`` or
+    ``tree_map`` boundary comes back with the default floor of 1, so a floor other than 1 holds
+    only where ``adjust`` is called on the object that was built with it (inside the trace
+    that built it, or eagerly). For a floor that survives every round trip use
+    ``ampscale.create_scaler(preset="jmp", min_scale=...)``.
+
+    Where jmp's arithmetic would leave the finite range, ampscale's does not: a
+    ``min_loss_scale`` of 0 (or below float32's smallest normal value) stops the scale at that
+    smallest normal value, where jmp's reaches 0 and every later step overflows.
 
     Attributes:
         loss_scale: the current scale (a float32 array, as jmp's docs build it; any floating
             value: float16 and bfloat16 ones follow jmp's arithmetic in their dtype, float64
-            under ``jax_enable_x64``). A value that is not floating warns, as in jmp.
+            under ``jax_enable_x64``). A value that is not floating warns, as in jmp, each time
+            one is built (pytree unflattens included).
         counter: finite steps counted towards the next growth (int32).
         period: finite steps in a row between growths (a whole number >= 1).
-        factor: the growth factor; the backoff divides by it (> 1).
-        min_loss_scale: the floor of the scale.
+        factor: the growth factor; the backoff divides by it (>= 1; 1 never moves the scale).
+        min_loss_scale: the floor of the scale (any value, traced ones included).
 
     Raises:
-        ValueError: ``period`` or ``factor`` out of range (the message names it).
+        ValueError: ``period``, ``factor`` or a concrete ``min_loss_scale`` out of range (the
+            message names it).
 
     Example:
         >>> import jax.numpy as jnp
@@ -782,8 +830,7 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         _warn_if_not_floating(self.loss_scale, "loss_scale")
         _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-        _check_jmp_settings(self.period, self.factor)
-        _Fixed(self.min_loss_scale, "min_loss_scale")
+        _check_jmp_settings(self.period, self.factor, self.min_loss_scale)
 
     def scale(self, tree: T) -> T:
         """Every leaf multiplied by :attr:`loss_scale` (JAX's promotion)."""
@@ -794,6 +841,19 @@ class DynamicLossScale:
         with a float32 scale); with a float32 scale through ampscale's check + unscale."""
         return _unscale_tree(tree, self.loss_scale)  # type: ignore[no-any-return]
 
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """jmp's flatten: the leaves ``(loss_scale, counter)`` and the static ``(period, factor)``
+        (``min_loss_scale`` is in neither, as in jmp)."""
+        return (self.loss_scale, self.counter), (self.period, self.factor)
+
+    @classmethod
+    def tree_unflatten(cls, meta: tuple[Any, Any], data: Sequence[Any]) -> DynamicLossScale:
+        """jmp's unflatten: a new loss scale with the default ``min_loss_scale`` (built through
+        the constructor, so its warnings come again, as jmp's do)."""
+        loss_scale, counter = data
+        period, factor = meta
+        return cls(loss_scale, counter, period, factor)
+
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite (a 0-d bool).
 
@@ -803,35 +863,50 @@ class DynamicLossScale:
                 (jmp's ``lax.select`` error).
         """
         assert grads_finite.ndim == 0, "Expected boolean scalar"
+        floor = self.min_loss_scale
         scale_type, counter_type = _jmp_types(
-            self.loss_scale, self.min_loss_scale, self.counter, grads_finite, self.period, self.factor
+            self.loss_scale, floor, self.counter, grads_finite, self.period, self.factor
         )
-        config = _jmp_config(self.period, self.factor, float(np.asarray(self.min_loss_scale)), scale_type.dtype)
-        args = (self.loss_scale, self.counter, grads_finite)
+        dtype = np.dtype(scale_type.dtype)
+        config = _jmp_config(self.period, self.factor, dtype)
+        args = (self.loss_scale, self.counter, grads_finite, floor)
         # Compiled, XLA divides by a constant factor by multiplying with its reciprocal (jmp's
         # adjust under jit does too); op by op it divides. The two differ only for a factor that
         # is not a power of two, where an eager call runs op by op, as jmp's eager call does.
-        eager_exact = _is_power_of_two(float(config.growth_value))
+        eager_exact = config is None or _is_power_of_two(float(config.growth_value))
         traced = any(isinstance(a, jax.core.Tracer) for a in args)
         adjust = _jmp_adjust_jit if not traced and eager_exact else _jmp_adjust
-        scale, counter = adjust(config, *args, np.dtype(scale_type.dtype))
-        return _dynamic_loss_scale(
-            _typed(scale, scale_type), _typed(counter, counter_type), self.period, self.factor, self.min_loss_scale
+        scale, counter = adjust(config, *args, dtype, int(self.period))
+        # through the constructor, as jmp's adjust: the same warnings, the same checks
+        return DynamicLossScale(
+            _typed(scale, scale_type), _typed(counter, counter_type), self.period, self.factor, floor
         )
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]  # noqa: UP007 - jmp's alias
 
 
-def _check_jmp_settings(period: Any, factor: Any) -> None:
+def _check_jmp_settings(period: Any, factor: Any, floor: Any) -> None:
+    """Refuse the settings under which jmp's own arithmetic breaks (before anything runs)."""
     real = isinstance(period, numbers.Real) and not isinstance(period, bool)
     if not real or not math.isfinite(_float(period)) or float(period) != int(float(period)) or float(period) < 1:
+        # jmp takes them: 0 divides the counter by zero and never grows, a fraction never grows
         raise ValueError(f"period must be a whole number >= 1 (finite steps between growths); got {shown(period)}")
     real = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if not real or not (math.isfinite(_float(factor)) and float(factor) > 1):
+    if not real or not (math.isfinite(_float(factor)) and float(factor) >= 1):
+        # jmp takes them: below 1 every overflow grows the scale, until it is inf or 0
         raise ValueError(
-            f"factor must be a finite number > 1 (the growth factor; backoff divides by it); got {shown(factor)}"
+            f"factor must be a finite number >= 1 (the growth factor; backoff divides by it, and "
+            f"1 never moves the scale); got {shown(factor)}"
         )
+    if not isinstance(floor, (np.ndarray, np.generic, numbers.Real)) or isinstance(floor, bool):
+        # a JAX array is not read on the host here (a sync on every adjust): adjust ignores a nan
+        # floor and stops an infinite one at the largest finite value, on the device
+        return
+    value = np.asarray(floor)
+    if value.shape == () and value.dtype.kind == "f" and not np.isfinite(value):
+        # jmp takes it: a nan floor makes the scale nan, an infinite one inf, at the first overflow
+        raise ValueError(f"min_loss_scale must be a finite number (the floor of the scale); got {shown(floor)}")
 
 
 def _is_jax(value: Any) -> bool:
@@ -878,19 +953,26 @@ def _jmp_types_cached(*args: Any) -> tuple[Any, Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _jmp_config(period: Any, factor: Any, floor: float, dtype: Any) -> Any:
+def _jmp_config(period: Any, factor: Any, dtype: Any) -> Any:
     """The ``jmp`` preset's settings for a loss scale of ``dtype`` (float16 and bfloat16 scales
-    run in float32, with the factor rounded to their dtype, as jmp's multiply rounds it)."""
+    run in float32, with the factor rounded to their dtype, as jmp's multiply rounds it);
+    ``None`` for a factor of 1, which never moves the scale (the preset's growth is > 1).
+
+    The floor is not a setting: it is an operand of :func:`_jmp_adjust` (jmp's
+    ``min_loss_scale`` may be traced), applied after the transition, whose own floor is the
+    smallest normal value of the scale's storage dtype.
+    """
     wide = np.dtype(dtype) == np.float64
     if np.dtype(dtype) in _NARROW:
         factor = float(np.asarray(factor, dtype))
-    floor_value = floor if floor >= (FLOAT32_TINY if not wide else 0.0) and floor > 0 else None
+    if float(factor) == 1.0:
+        return None
     return make_config(
         "jmp",
-        init_scale=floor_value if floor_value is not None and floor_value > 1.0 else 1.0,
+        init_scale=1.0,
         growth_interval=int(period),
         growth_factor=float(factor),
-        min_scale=floor_value,
+        min_scale=None,
         scale_dtype="float64" if wide else "float32",
         factor_precision="float64" if wide else "float32",
     )
@@ -900,30 +982,47 @@ def _is_power_of_two(value: float) -> bool:
     return math.frexp(value)[0] == 0.5
 
 
-def _jmp_adjust(config: Any, loss_scale: Any, counter: Any, finite: Any, dtype: Any) -> tuple[Any, Any]:
-    """One step of the jmp preset's transition from jmp's two leaves; the new ``(scale, counter)``."""
-    storage = jnp.float64 if config.scale_dtype == "float64" else jnp.float32
-    ops = BACKEND.ops(config, None)
-    values = initial_values(config)
-    fields = ScalerState(
-        *(
-            jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else storage)
-            for f, v in zip(ScalerState._fields, values, strict=True)
-        )
-    )
+def _jmp_adjust(
+    config: Any, loss_scale: Any, counter: Any, finite: Any, floor: Any, dtype: Any, period: int
+) -> tuple[Any, Any]:
+    """One step of the jmp preset's transition from jmp's two leaves and its floor; the new
+    ``(scale, counter)``.
+
+    The transition backs off to ``max(scale / factor, smallest normal)``; jmp's floor is then
+    ``max(min_loss_scale, that)``, which is jmp's ``max(min_loss_scale, scale / factor)`` for
+    every floor at or above the smallest normal value. A traced floor that is nan is ignored
+    and an infinite one stops at the largest finite value (a concrete one is refused at
+    construction), so the scale never becomes nan or inf.
+    """
+    wide = dtype == np.float64 or (config is not None and config.scale_dtype == "float64")
+    storage = jnp.float64 if wide else jnp.float32
     scale = jnp.asarray(loss_scale, storage)
-    fields = fields._replace(scale=scale, last_scale=scale, growth_tracker=jnp.asarray(counter, jnp.int32))
     finite = jnp.asarray(finite, jnp.bool_)
-    new, _floor_event = transition(ops.config, fields, finite, True, ops)
-    new_scale = new.scale
-    if dtype in _NARROW:
-        # jmp grows in the scale's own dtype and keeps the old scale where that overflows it
-        narrow = new_scale.astype(dtype)
-        new_scale = jnp.where(jnp.isinf(narrow) & ~jnp.isinf(scale), scale, new_scale)
-    return new_scale, new.growth_tracker
+    if config is None:  # factor 1: jmp's scale * 1 and scale / 1 leave it as it is
+        new_scale = scale
+        new_counter = jnp.where(finite, (jnp.asarray(counter, jnp.int32) + 1) % period, 0).astype(jnp.int32)
+    else:
+        ops = BACKEND.ops(config, None)
+        values = initial_values(config)
+        fields = ScalerState(
+            *(
+                jnp.asarray(v, dtype=jnp.int32 if f in INT_FIELDS else storage)
+                for f, v in zip(ScalerState._fields, values, strict=True)
+            )
+        )
+        fields = fields._replace(scale=scale, last_scale=scale, growth_tracker=jnp.asarray(counter, jnp.int32))
+        new, _floor_event = transition(ops.config, fields, finite, True, ops)
+        new_scale, new_counter = new.scale, new.growth_tracker
+        if dtype in _NARROW:
+            # jmp grows in the scale's own dtype and keeps the old scale where that overflows it
+            narrow = new_scale.astype(dtype)
+            new_scale = jnp.where(jnp.isinf(narrow) & ~jnp.isinf(scale), scale, new_scale)
+    bounded = jnp.minimum(jnp.asarray(floor, storage), jnp.finfo(storage).max)
+    new_scale = jnp.where(finite, new_scale, jnp.fmax(bounded, new_scale))
+    return new_scale, new_counter
 
 
-_jmp_adjust_jit = jax.jit(_jmp_adjust, static_argnums=(0, 4))
+_jmp_adjust_jit = jax.jit(_jmp_adjust, static_argnums=(0, 5, 6))
 
 
 def _typed(value: Any, aval: Any) -> Any:
@@ -933,21 +1032,6 @@ def _typed(value: Any, aval: Any) -> Any:
         from jax._src.lax.lax import _convert_element_type
 
         out = _convert_element_type(out, aval.dtype, weak_type=True)
-    return out
-
-
-def _dynamic_loss_scale(loss_scale: Any, counter: Any, period: Any, factor: Any, floor: Any) -> DynamicLossScale:
-    """A :class:`DynamicLossScale` made without ``__init__`` (no warning, no check): for the
-    pytree's unflatten and ``adjust``, whose values are JAX's own."""
-    out = object.__new__(DynamicLossScale)
-    for name, value in (
-        ("loss_scale", loss_scale),
-        ("counter", counter),
-        ("period", period),
-        ("factor", factor),
-        ("min_loss_scale", floor),
-    ):
-        object.__setattr__(out, name, value)
     return out
 
 
@@ -982,17 +1066,9 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 def _register_jmp_classes() -> None:
     for cls in (NoOpLossScale, StaticLossScale):  # no leaves: the object is its own structure
         jax.tree_util.register_pytree_node(cls, lambda x: ((), x), lambda x, _: x)
-
-    def flatten(ls: DynamicLossScale) -> tuple[tuple[Any, Any], tuple[Any, Any, _Fixed]]:
-        return (ls.loss_scale, ls.counter), (ls.period, ls.factor, _Fixed(ls.min_loss_scale, "min_loss_scale"))
-
-    def unflatten(aux: tuple[Any, Any, _Fixed], children: Any) -> DynamicLossScale:
-        period, factor, floor = aux
-        loss_scale, counter = children
-        return _dynamic_loss_scale(loss_scale, counter, period, factor, floor.value)
-
-    # registered without keys, as jmp's: the leaves' paths are their indices, 0 and 1
-    jax.tree_util.register_pytree_node(DynamicLossScale, flatten, unflatten)
+    # jmp's registration: its tree_flatten / tree_unflatten, without keys (the leaves' paths are
+    # their indices, 0 and 1)
+    jax.tree_util.register_pytree_node_class(DynamicLossScale)
 
 
 _register_jmp_classes()

@@ -1,15 +1,18 @@
-"""``Scaler.step`` and in-place updates: refused where they could corrupt, and a correct path.
+"""``Scaler.step`` and in-place updates: refused before anything changes, and a correct path.
 
 On a device ``step`` computes the update before it knows whether the step overflowed and
 keeps the old arrays where it did, so an ``update_fn`` that writes in place (``p -= lr * g``, the
 usual CuPy habit) would already hold the overflowed step: through the array-API backend a
-skipped step turned the parameters into -inf. Such an ``update_fn`` is refused on every backend
-whose arrays can be written, where it can be detected (NumPy-backed arrays refuse the write
-itself; torch's version counters see it; CuPy, which can see neither, refuses an ``update_fn``
-returning the arrays it was given). The flag-aware path, ``step(..., in_place=True)`` with
-``ampscale.masked_add_`` / ``masked_copy_``, updates in place on finite steps only, with no host
-sync. CuPy's own class runs here against a NumPy-backed stand-in for the ``cupy`` module (its
-arrays, streams and an NCCL communicator); only a GPU runs the real one.
+skipped step turned the parameters into -inf, and on torch's CUDA path the refusal came after
+the write. Now the first time ``step`` sees an ``update_fn`` it runs it once on copies of the
+parameters, optimizer state and gradients, watched (NumPy-backed arrays refuse the write itself;
+torch's version counters see it; CuPy, which can see neither, compares the copies bit for bit
+and refuses returned arrays): such an ``update_fn`` is refused before anything changes. The
+verdict is kept per function; every real call is watched too. The flag-aware path,
+``step(..., in_place=True)`` with ``ampscale.masked_add_`` / ``masked_copy_``, updates in place on
+finite steps only, with no host sync. CuPy's class runs here against NumPy-backed stand-ins for
+the ``cupy`` module (its arrays, streams, kernels' host build and an NCCL communicator), and
+torch's CUDA path on CPU tensors; only a GPU runs the real ones.
 """
 
 from __future__ import annotations
@@ -54,30 +57,24 @@ def _values(fw, tree) -> list[bytes]:
 
 
 @pytest.mark.parametrize("overflow", [False, True])
-def test_an_update_that_writes_in_place_is_refused(mfw, overflow: bool) -> None:
-    """Refused on a finite step and (where ``update_fn`` runs on one: every device backend) on
-    an overflowing one. NumPy-backed arrays refuse the write itself, so nothing has changed;
-    torch sees it after the call, by the version counters, and says which leaf."""
+def test_an_update_that_writes_in_place_is_refused_before_anything_changes(mfw, overflow: bool) -> None:
+    """Refused on a finite step and on an overflowing one (where a host backend would not even
+    call it), on its first run, on copies: the parameters, the gradients (still scaled) and the
+    scaler are as they were, bit for bit. NumPy-backed arrays refuse the write itself; torch's
+    version counters and CuPy's bit comparison name the leaves."""
     scaler = ampscale.create_scaler(backend=mfw.backend, init_scale=4.0)
     params = [mfw.array([1.0, 2.0]), mfw.array([3.0])]
     grads = [mfw.array([4.0, 8.0]), mfw.array([float("inf") if overflow else 4.0])]
-    before = _values(mfw, params)
-    runs_on_overflow = mfw.name not in ("numpy", "torch")  # host backends skip the call
-    if overflow and not runs_on_overflow:
-        new_params, _, after = scaler.step(_in_place_sgd, params, grads, ())
-        assert _values(mfw, new_params) == before  # not called at all: nothing to refuse
-        assert after.get_stats()["skipped_steps"] == 1
-        return
+    before = _values(mfw, params + grads)
     with pytest.raises(ampscale.InPlaceUpdateError, match="in_place=True") as caught:
         scaler.step(_in_place_sgd, params, grads, ())
+    assert "nothing was changed" in str(caught.value)
     if mfw.name in ("numpy", "array_api_strict"):
         assert "wrote into one of" in str(caught.value)
-        assert _values(mfw, params) == before  # the write itself was refused
-    elif mfw.name.startswith("torch"):
+    else:
         assert "wrote into params[0], params[1] in place" in str(caught.value)
-    else:  # CuPy cannot see writes: it refuses the returned arrays
-        assert "returned params[0], params[1]" in str(caught.value)
-    assert scaler.get_stats()["steps"] == 0  # and the scaler was not updated
+    assert _values(mfw, params + grads) == before
+    assert scaler.get_stats()["steps"] == 0
 
 
 def test_the_array_api_overflow_that_turned_parameters_into_minus_inf_is_refused() -> None:
@@ -118,20 +115,194 @@ def test_a_no_op_update_is_fine_where_writes_are_seen(mfw) -> None:
         assert after.get_stats()["steps"] == 1
 
 
-def test_a_backend_that_cannot_see_writes_refuses_the_arrays_it_gave(monkeypatch) -> None:
-    """CuPy's situation, with a NumPy-backed namespace whose guard is turned off: an update in
-    place is caught by the arrays it returns; a functional one runs; so does one that returns
-    new arrays after writing in place (undetectable, as on CuPy: documented)."""
+def test_a_backend_that_cannot_see_writes_compares_the_copies(monkeypatch) -> None:
+    """CuPy's situation, with a NumPy-backed namespace whose guard is turned off: the first
+    run, on copies, compared bit for bit with the originals, finds an update in place, and one
+    that writes in place and returns new arrays (which no check of the real call could see);
+    returning the arrays it was given is refused too (later calls cannot be watched there); a
+    functional one runs. Nothing changes before a refusal."""
     xp = pytest.importorskip("array_api_strict")
     from ampscale.backends._base import Backend
 
     monkeypatch.setattr(array_api_backend.ArrayApiBackend, "guard_writes", Backend.guard_writes)
     scaler = ampscale.create_scaler(backend=xp, init_scale=2.0)
-    params, grads = [xp.asarray([1.0])], [xp.asarray([2.0])]
-    with pytest.raises(ampscale.InPlaceUpdateError, match="cannot see whether they were written in place"):
-        scaler.step(_in_place_sgd, params, grads, ())
+
+    def writes_then_returns_new(params, grads, state):
+        _in_place_sgd(params, grads, state)
+        return [p * 1.0 for p in params], state
+
+    params, grads = [xp.asarray([1.0, -2.0])], [xp.asarray([float("inf"), 2.0])]
+    for update_fn, pattern in (
+        (_in_place_sgd, r"wrote into params\[0\] in place"),
+        (writes_then_returns_new, r"wrote into params\[0\] in place"),
+        (lambda p, g, s: (p, s), r"returned params\[0\], the arrays it was given"),
+    ):
+        with pytest.raises(ampscale.InPlaceUpdateError, match=pattern):
+            scaler.step(update_fn, params, grads, ())
+        assert np.asarray(params[0]).tolist() == [1.0, -2.0]
+        assert np.asarray(grads[0]).tolist() == [float("inf"), 2.0]
     new_params, _, _ = scaler.step(_sgd, [xp.asarray([1.0])], [xp.asarray([2.0])], ())
     assert np.asarray(new_params[0]).tolist() == [0.5]
+
+
+def test_the_torch_device_path_refuses_before_the_write(monkeypatch) -> None:
+    """The reported failure: on torch's CUDA path (CPU tensors down it here) the version
+    counters saw the write after the call, and the overflowed step was in the parameters
+    ([-inf, 1.875]). Refused now on the first run, on copies: parameters and gradients intact."""
+    torch = pytest.importorskip("torch")
+    from tests.fake_cuda import torch_on_host
+
+    with torch_on_host(monkeypatch):
+        scaler = ampscale.create_scaler(backend="torch", init_scale=4.0)
+        params = [torch.tensor([1.0, 2.0])]
+        grads = [torch.tensor([float("inf"), 0.5])]
+        with pytest.raises(ampscale.InPlaceUpdateError, match=r"wrote into params\[0\] in place.*nothing was changed"):
+            scaler.step(_in_place_sgd, params, grads, ())
+        assert params[0].tolist() == [1.0, 2.0]
+        assert grads[0].tolist() == [float("inf"), 0.5]
+        assert scaler.get_stats()["steps"] == 0
+        # the same program, functional: the overflowing step is skipped, the next applied
+        params, _, scaler = scaler.step(_sgd, params, grads, ())
+        assert params[0].tolist() == [1.0, 2.0]
+        params, _, scaler = scaler.step(_sgd, params, [torch.tensor([2.0, 2.0])], ())
+        assert params[0].tolist() == [0.5, 1.5]  # scale 2 after the backoff
+
+
+def test_cupy_refuses_before_anything_changes_end_to_end(monkeypatch) -> None:
+    """``Scaler.step`` on CuPy (a NumPy-backed ``cupy`` running the kernels' host build): an
+    update in place, and one that writes in place but returns new arrays, are refused on the
+    first run, on copies compared bit for bit: parameters, momentum, gradients and scaler
+    intact. A functional one runs, and is checked once."""
+    from tests.fake_cuda import cupy_on_host
+
+    with cupy_on_host(monkeypatch) as (cp, module):
+        scaler = ampscale.create_scaler(backend="cupy", init_scale=4.0)
+        params = [cp.asarray(np.array([1.0, 2.0], np.float32))]
+        momentum = [cp.asarray(np.array([0.5, 0.5], np.float32))]
+        grads = [cp.asarray(np.array([np.inf, 2.0], np.float32))]
+
+        def momentum_in_place(p, g, m):
+            for v, gradient in zip(m, g, strict=True):
+                v *= 0.9
+                v += gradient
+            return [a - 0.1 * v for a, v in zip(p, m, strict=True)], [v.copy() for v in m]
+
+        def writes_then_returns_new(p, g, m):
+            _in_place_sgd(p, g, m)
+            return [a.copy() for a in p], [v.copy() for v in m]
+
+        for update_fn, pattern in (
+            (_in_place_sgd, r"wrote into params\[0\] in place"),
+            (momentum_in_place, r"wrote into opt_state\[0\] in place"),
+            (writes_then_returns_new, r"wrote into params\[0\] in place"),
+        ):
+            with pytest.raises(ampscale.InPlaceUpdateError, match=pattern):
+                scaler.step(update_fn, params, grads, momentum)
+            assert cp.asnumpy(params[0]).tolist() == [1.0, 2.0]
+            assert cp.asnumpy(momentum[0]).tolist() == [0.5, 0.5]
+            assert cp.asnumpy(grads[0]).tolist() == [np.inf, 2.0]
+            assert scaler.get_stats()["steps"] == 0
+
+        copies = []
+        real_copy = module.CupyBackend.copy_leaf
+        monkeypatch.setattr(module.CupyBackend, "copy_leaf", lambda self, x: copies.append(x) or real_copy(self, x))
+
+        def sgd_momentum(p, g, m):
+            m = [0.9 * v + gradient for v, gradient in zip(m, g, strict=True)]
+            return [a - 0.1 * v for a, v in zip(p, m, strict=True)], m
+
+        for step in range(3):
+            grads = [cp.asarray(np.array([np.inf if step == 0 else 4.0, 4.0], np.float32))]
+            params, momentum, scaler = scaler.step(sgd_momentum, params, grads, momentum)
+        assert len(copies) == 3  # params, momentum and gradients, copied once: on the first step
+        assert scaler.get_stats()["skipped_steps"] == 1
+
+
+def test_a_verdict_is_kept_per_function_and_rechecked_for_a_new_one(monkeypatch) -> None:
+    """What is checked when: a function made once is run on copies once; a lambda made anew in
+    the loop with the same code and the same closure cells is the same function for the check;
+    a method of one instance once per instance; a closure over new variables (a factory called
+    again) is checked again, and a PerformanceWarning says to make it once."""
+    import ampscale._in_place
+
+    monkeypatch.setattr(ampscale._in_place, "_RECHECKS", {})  # the warning comes once per code and process
+    calls = []
+
+    def sgd(params, grads, state):
+        calls.append("sgd")
+        return _sgd(params, grads, state)
+
+    def step(update_fn, value=1.0):
+        scaler = ampscale.create_scaler(backend="numpy", init_scale=1.0)
+        scaler.step(update_fn, [np.array([value], np.float32)], [np.array([1.0], np.float32)], ())
+
+    for _ in range(3):
+        step(sgd)
+    assert calls == ["sgd"] * 4  # one run on copies, then the three real ones
+
+    calls.clear()
+    for _ in range(3):
+        step(lambda p, g, s: sgd(p, g, s))  # a new function object, the same code and cells
+    assert calls == ["sgd"] * 4
+
+    class Optimizer:
+        def update(self, params, grads, state):
+            calls.append(id(self))
+            return _sgd(params, grads, state)
+
+    calls.clear()
+    first, second = Optimizer(), Optimizer()
+    for optimizer in (first, first, second):
+        step(optimizer.update)  # a new bound method at every access
+    assert calls == [id(first)] * 3 + [id(second)] * 2
+
+    def make(lr):
+        def update(params, grads, state):
+            calls.append(lr)
+            return [p - lr * g for p, g in zip(params, grads, strict=True)], state
+
+        return update
+
+    calls.clear()
+    for lr in (0.1, 0.2, 0.3):
+        step(make(lr))
+    with pytest.warns(ampscale.PerformanceWarning, match="Make it once, outside the training loop"):
+        step(make(0.4))  # the third check again of one code, in a row
+    assert calls == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    # made once per training run: checked again once per run, and no warning (they error here)
+    calls.clear()
+    for run in range(5):
+        update = make(run)
+        for _ in range(2):
+            step(update)
+    assert calls == [run for run in range(5) for _ in range(3)]
+
+
+def test_an_update_that_starts_writing_in_place_later_is_found_after_the_write(fw) -> None:
+    """The documented limit: the verdict of the first run holds for the function; one that
+    writes in place only from its second call on is found by the watch on the real call, on
+    torch after the write (the message says so), on NumPy by the write refused."""
+    if fw.name not in ("numpy", "torch"):
+        pytest.skip("the watch on real calls: NumPy refuses the write, torch counts it")
+    calls = []
+
+    def sometimes_in_place(params, grads, state):
+        calls.append(1)
+        if len(calls) > 2:  # the run on copies and the first real call are functional
+            return _in_place_sgd(params, grads, state)
+        return _sgd(params, grads, state)
+
+    scaler = ampscale.create_scaler(backend=fw.backend, init_scale=1.0)
+    params = [fw.array([1.0, 2.0])]
+    params, _, scaler = scaler.step(sometimes_in_place, params, [fw.array([2.0, 2.0])], ())
+    with pytest.raises(ampscale.InPlaceUpdateError) as caught:
+        scaler.step(sometimes_in_place, params, [fw.array([2.0, 2.0])], ())
+    if fw.name == "numpy":
+        assert "The write itself was refused" in str(caught.value)
+        assert _values(fw, params) == _values(fw, [fw.array([0.0, 1.0])])
+    else:
+        assert "may hold what this call wrote" in str(caught.value)
+        assert _values(fw, params) == _values(fw, [fw.array([-1.0, 0.0])])  # written: the limit
 
 
 def test_jax_arrays_need_no_check_and_in_place_is_refused() -> None:
@@ -179,6 +350,7 @@ def test_in_place_updates_with_the_flag_give_the_functional_bits(fw) -> None:
     values = rng.normal(size=(12, 2, 5)).astype(np.float32)
     values[3, 0, 1], values[7, 1, 4], values[8, 0, 0] = np.inf, np.nan, -np.inf
     results = {}
+    functional, in_place = _momentum(0.1, 0.9), _momentum_in_place(0.1, 0.9)  # made once, as in a loop
     for kind in ("functional", "in place"):
         scaler = ampscale.create_scaler(backend=fw.backend, init_scale=8.0, growth_interval=3)
         params = [fw.array(np.linspace(-1, 1, 5)), fw.array(np.ones(5))]
@@ -187,9 +359,9 @@ def test_in_place_updates_with_the_flag_give_the_functional_bits(fw) -> None:
             grads = [fw.array(g * scaler.get_scale()) for g in step]
             before = _values(fw, params + state)
             if kind == "functional":
-                params, state, scaler = scaler.step(_momentum(0.1, 0.9), params, grads, state)
+                params, state, scaler = scaler.step(functional, params, grads, state)
             else:
-                params, state, scaler = scaler.step(_momentum_in_place(0.1, 0.9), params, grads, state, in_place=True)
+                params, state, scaler = scaler.step(in_place, params, grads, state, in_place=True)
             if not np.isfinite(step).all():
                 assert _values(fw, params + state) == before
         results[kind] = (_values(fw, params + state), scaler.get_stats())
@@ -354,13 +526,13 @@ def test_cupy_refuses_an_update_returning_its_arrays_and_takes_the_flag_aware_pa
     """CuPy's class inherits the device path: ``update_fn`` runs, its result is selected by the
     flag, and (CuPy seeing no writes) an ``update_fn`` that returns the arrays it was given is
     refused before the select; ``masked_add_`` selects on the device."""
-    from ampscale._scaler import _checked_update
+    from ampscale._in_place import checked_update as _checked_update
 
     params = [_fake(np.array([1.0, 2.0], np.float32))]
     grads = [_fake(np.array([np.inf, 2.0], np.float32))]
     flag = _fake(np.bool_(False))
     checked = _checked_update(_in_place_sgd, cupy_backend, params, ())
-    with pytest.raises(ampscale.InPlaceUpdateError, match="on the cupy backend ampscale cannot see"):
+    with pytest.raises(ampscale.InPlaceUpdateError, match="on the cupy backend ampscale cannot watch writes"):
         cupy_backend.apply_if(flag, checked, params, grads, ())
     fresh = [_fake(np.array([1.0, 2.0], np.float32))]
     new, _ = cupy_backend.apply_if(flag, _checked_update(_sgd, cupy_backend, fresh, ()), fresh, grads, ())

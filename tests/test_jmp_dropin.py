@@ -12,6 +12,8 @@ smallest normal value).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import os
 import pickle
@@ -180,7 +182,7 @@ SCALES = [
 ]
 FLOORS = [None, jnp.float16(1), np.float32(0.37), 0.5]
 COUNTERS = [None, jnp.int32(1), 0, jnp.int32(-3)]
-SETTINGS = [(2, 2), (3, 3), (5.0, 2.0)]
+SETTINGS = [(2, 2), (3, 3), (5.0, 2.0), (4, 1)]
 STEPS = [True, True, False, True, True, True, False, False]
 
 
@@ -235,49 +237,184 @@ def test_the_same_values_dtypes_weak_types_and_errors_as_jmp_eagerly() -> None:
 
 
 def test_the_same_values_dtypes_and_weak_types_as_jmp_under_jit() -> None:
-    """The same comparison with ``adjust`` jitted (jmp drops ``min_loss_scale`` in a jit round
-    trip, so the default floor only; the floor is compared in the test after this one)."""
+    """The same comparison with ``adjust`` jitted: the loss scale crosses the ``jit`` boundary,
+    so on both sides its floor is the default one inside (jmp's pytree drops it)."""
     adjust = {m: jax.jit(lambda s, f: s.adjust(f)) for m in (jmp, ours)}
-    for combination in itertools.product(SCALES, [None], COUNTERS, SETTINGS):
+    for combination in itertools.product(SCALES, FLOORS[:2], COUNTERS, SETTINGS):
         scale, floor, counter, (period, factor) = combination
         theirs = _run(jmp, scale, floor, counter, period, factor, adjust)
         assert _run(ours, scale, floor, counter, period, factor, adjust) == theirs, combination
 
 
-def test_min_loss_scale_survives_jit_where_jmps_resets_to_one() -> None:
-    """The first documented difference: jmp's pytree drops ``min_loss_scale`` (a ``jit``
-    argument comes back with the default of 1); ampscale's keeps it in the static structure."""
-    identity = jax.jit(lambda s: s)
-    theirs = identity(jmp.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(0.25)))
-    mine = identity(ours.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(0.25)))
-    assert float(theirs.min_loss_scale) == 1.0
-    assert float(theirs.adjust(jnp.bool_(False)).loss_scale) == 1.0
-    assert float(mine.min_loss_scale) == 0.25
-    assert float(mine.adjust(jnp.bool_(False)).loss_scale) == 0.5
-    # the same object comes back, and equal structures compare equal (jit's cache key)
-    assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(
-        ours.DynamicLossScale(jnp.float32(8.0), min_loss_scale=jnp.float32(0.25))
+def _floor_sig(loss_scale) -> tuple:
+    return _sig(loss_scale.min_loss_scale)
+
+
+def test_the_pytree_is_jmps_tree_flatten_and_tree_unflatten_included(mp) -> None:
+    """jmp's ``register_pytree_node_class``: the methods exist and give jmp's parts, the leaves
+    and ``(period, factor)``; ``min_loss_scale`` is in neither, so an unflatten (a ``jit``
+    argument, ``tree_map``) gives the default floor back, ``np.ones([], np.float32)``."""
+    loss_scale = mp.DynamicLossScale(
+        jnp.float32(1.0), jnp.int32(3), period=7, factor=3, min_loss_scale=jnp.float32(0.25)
     )
-    assert jax.tree_util.tree_structure(mine) != jax.tree_util.tree_structure(
-        ours.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(0.5))
+    assert float(loss_scale.adjust(jnp.bool_(False)).loss_scale) == np.float32(1 / 3)  # its own floor
+    data, meta = loss_scale.tree_flatten()
+    assert meta == (7, 3)
+    assert _tree_sig(data) == _tree_sig((jnp.float32(1.0), jnp.int32(3)))
+    rebuilt = mp.DynamicLossScale.tree_unflatten(meta, data)
+    assert type(rebuilt) is mp.DynamicLossScale
+    assert (rebuilt.period, rebuilt.factor) == (7, 3)
+    for back in (rebuilt, jax.jit(lambda s: s)(loss_scale), jax.tree_util.tree_map(lambda x: x, loss_scale)):
+        assert _floor_sig(back) == _sig(np.ones([], np.float32))
+        assert float(back.adjust(jnp.bool_(False)).loss_scale) == 1.0  # the default floor
+    # the floor is no part of the structure: different floors, equal structures (jit's cache key)
+    structure = jax.tree_util.tree_structure
+    assert structure(loss_scale) == structure(mp.DynamicLossScale(jnp.float32(1.0), period=7, factor=3))
+    assert structure(mp.DynamicLossScale(jnp.float32(1.0))) == structure(
+        mp.DynamicLossScale(jnp.float32(1.0), min_loss_scale=np.float32(1))
     )
-    with pytest.raises(TypeError, match="min_loss_scale is part of the loss scale's static structure"):
-        jax.jit(lambda m: ours.DynamicLossScale(jnp.float32(1.0), min_loss_scale=m))(jnp.float32(0.5))
+    assert structure(loss_scale) != structure(mp.DynamicLossScale(jnp.float32(1.0), period=8, factor=3))
+
+
+def _built_inside_traces(mod) -> list:
+    """The programs jmp runs with a ``min_loss_scale`` made inside a trace, or with two floors
+    meeting in one pytree operation; each one's result (or its error)."""
+    ls = mod.DynamicLossScale
+
+    def step(s):
+        return ls(s, min_loss_scale=jnp.asarray(1.0)).adjust(jnp.bool_(False))
+
+    def floor_within(s):  # the floor is used inside the trace that made it
+        return ls(s, min_loss_scale=jnp.asarray(6.0)).adjust(jnp.bool_(False)).loss_scale
+
+    def initial_state(s):  # Haiku's idiom: the state built by jax.pmap
+        return ls(s, min_loss_scale=jnp.asarray(0.5), period=3)
+
+    def branches(flag):
+        return jax.lax.cond(
+            flag,
+            lambda: ls(jnp.float32(2), min_loss_scale=jnp.float32(1)),
+            lambda: ls(jnp.float32(4), min_loss_scale=jnp.float32(0.5)),
+        )
+
+    def traced_floor_in_scan(floors):
+        def body(carry, floor):
+            new = dataclasses.replace(carry, min_loss_scale=floor).adjust(jnp.bool_(False))
+            return new, new.loss_scale
+
+        return jax.lax.scan(body, ls(jnp.float32(8.0)), floors)
+
+    programs = [
+        lambda: jax.jit(step)(jnp.float32(8)),
+        lambda: jax.jit(floor_within)(jnp.float32(8)),
+        lambda: jax.pmap(initial_state)(jnp.full(1, 1024.0)),
+        lambda: jax.jit(branches)(jnp.bool_(False)),
+        lambda: jax.tree_util.tree_map(
+            lambda a, b: a + b,
+            ls(jnp.float32(2), min_loss_scale=jnp.float32(1)),
+            ls(jnp.float32(4), min_loss_scale=jnp.float32(0.5)),
+        ),
+        lambda: jax.jit(traced_floor_in_scan)(jnp.asarray([3.0, 0.5, 2.0, 0.25], jnp.float32)),
+    ]
+    out = []
+    for program in programs:
+        try:
+            result = program()
+        except Exception as exc:  # compared with jmp's
+            out.append((type(exc).__name__, str(exc).split("\n")[0]))
+            continue
+        out.append(_tree_sig(result))
+        out.append(
+            [
+                _floor_sig(x)
+                for x in jax.tree_util.tree_leaves(result, is_leaf=lambda x: isinstance(x, ls))
+                if isinstance(x, ls)
+            ]
+        )
+    return out
+
+
+def test_a_floor_made_in_a_trace_or_two_floors_in_one_tree_op_behave_as_in_jmp() -> None:
+    """``min_loss_scale`` made inside ``jit``, ``pmap`` (Haiku's ``initial_state``), ``lax.cond``
+    branches and ``lax.scan`` (traced), and ``tree_map`` over two loss scales with different
+    floors: the same results, dtypes and floors as jmp's (a traced floor applies inside its
+    trace; what comes out of one has the default floor)."""
+    theirs = _built_inside_traces(jmp)
+    assert not any(isinstance(x, tuple) and x and x[0].endswith("Error") for x in theirs), theirs
+    assert _built_inside_traces(ours) == theirs
 
 
 def test_a_floor_of_zero_stops_at_float32s_smallest_normal_value() -> None:
-    """The second documented difference: with ``min_loss_scale=0`` jmp's scale is flushed to 0
-    (after which every step overflows); ampscale's stops at float32's smallest normal value."""
+    """The documented difference: with ``min_loss_scale=0`` jmp's scale is flushed to 0 (after
+    which every step overflows); ampscale's stops at float32's smallest normal value."""
     theirs = jmp.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(0.0))
     mine = ours.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.float32(0.0))
-    step = jax.jit(lambda s: s.adjust(jnp.bool_(False)))  # jmp's eagerly: its jit drops the floor
     for i in range(130):
         theirs = theirs.adjust(jnp.bool_(False))
-        mine = step(mine)
+        mine = mine.adjust(jnp.bool_(False))
         if i < 125:
             assert _sig(mine.loss_scale) == _sig(theirs.loss_scale)
     assert float(theirs.loss_scale) == 0.0
     assert float(mine.loss_scale) == float(np.finfo(np.float32).tiny)
+
+
+def test_a_traced_floor_that_is_nan_or_inf_never_makes_the_scale_nan_or_inf() -> None:
+    """A concrete nan or infinite floor is refused at construction (below); a traced one is
+    known only on the device: nan is ignored and inf stops at float32's largest value (jmp's
+    scale becomes nan and inf)."""
+
+    def backoff(floor):
+        return ours.DynamicLossScale(jnp.float32(8.0), min_loss_scale=floor).adjust(jnp.bool_(False)).loss_scale
+
+    def theirs(floor):
+        return jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=floor).adjust(jnp.bool_(False)).loss_scale
+
+    assert float(jax.jit(backoff)(jnp.float32(np.nan))) == 4.0
+    assert float(jax.jit(backoff)(jnp.float32(np.inf))) == float(np.finfo(np.float32).max)
+    assert np.isnan(float(jax.jit(theirs)(jnp.float32(np.nan))))
+    assert np.isinf(float(jax.jit(theirs)(jnp.float32(np.inf))))
+
+
+@pytest.mark.parametrize("make", ["construct", "jit", "tree_map", "adjust"])
+@pytest.mark.parametrize("which", ["loss_scale", "min_loss_scale"])
+def test_a_value_that_is_not_floating_warns_as_often_as_in_jmp(make: str, which: str) -> None:
+    """jmp warns in ``__post_init__``, so at construction, at every unflatten (a ``jit``
+    argument and result, ``tree_map``) and in every ``adjust``: the same warnings, as many."""
+
+    def run(mod):
+        kwargs = {"loss_scale": jnp.float32(4.0)}
+        kwargs[which] = jnp.int32(4) if which == "loss_scale" else np.ones([], np.int32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_scale = mod.DynamicLossScale(**kwargs)
+        with warnings.catch_warnings(record=True) as logged:
+            warnings.simplefilter("always")
+            if make == "construct":
+                mod.DynamicLossScale(**kwargs)
+            elif make == "jit":
+                jax.jit(lambda s: s)(loss_scale)
+            elif make == "tree_map":
+                jax.tree_util.tree_map(lambda x: x, loss_scale)
+            else:
+                # jmp's select of an int scale and a float one raises, on both sides
+                with contextlib.suppress(TypeError):
+                    loss_scale.adjust(jnp.bool_(True))
+        return [(w.category, str(w.message)) for w in logged]
+
+    theirs = run(jmp)
+    assert run(ours) == theirs
+    if make != "adjust" and not (which == "min_loss_scale" and make in ("jit", "tree_map")):
+        assert theirs  # it warns at all
+
+
+@pytest.mark.parametrize("flag", [jnp.ones([2], bool), jnp.ones([1, 1], bool), np.ones([3], bool)])
+def test_adjust_rejects_a_flag_that_is_not_a_scalar(mp, flag) -> None:
+    """jmp's ``assert grads_finite.ndim == 0, "Expected boolean scalar"``, on both."""
+    loss_scale = mp.DynamicLossScale(jnp.float32(8.0))
+    with pytest.raises(AssertionError, match=r"^Expected boolean scalar"):
+        loss_scale.adjust(flag)
+    with pytest.raises(AssertionError, match=r"^Expected boolean scalar"):
+        jax.jit(lambda s, f: s.adjust(f))(loss_scale, flag)
 
 
 @pytest.mark.parametrize("factor", [2, 3])
@@ -435,14 +572,50 @@ def test_orbax_and_flax_serialization_take_the_drop_in(tmp_path) -> None:
     ("kwargs", "name"),
     [
         ({"period": 0}, "period"),
+        ({"period": -2}, "period"),
         ({"period": 2.5}, "period"),
-        ({"factor": 1}, "factor"),
+        ({"factor": 0.5}, "factor"),
+        ({"factor": 0}, "factor"),
         ({"factor": float("inf")}, "factor"),
+        ({"min_loss_scale": float("nan")}, "min_loss_scale"),
+        ({"min_loss_scale": np.float32(np.inf)}, "min_loss_scale"),
     ],
 )
-def test_a_period_or_factor_out_of_range_is_named(kwargs: dict, name: str) -> None:
+def test_settings_under_which_jmps_arithmetic_breaks_are_named(kwargs: dict, name: str) -> None:
+    """The documented differences: jmp takes these and then never grows (``period`` 0, below
+    0 or a fraction), grows on every overflow (``factor`` below 1) or makes the scale nan or
+    inf (a nan or infinite floor); ampscale names them, at construction and at unflatten."""
     with pytest.raises(ValueError, match=f"^{name} must be"):
         ours.DynamicLossScale(jnp.float32(1.0), **kwargs)
+    if name != "min_loss_scale":
+        jmp.DynamicLossScale(jnp.float32(1.0), **kwargs)  # jmp takes it
+
+
+def test_a_factor_of_one_is_taken_as_jmp_takes_it() -> None:
+    """``factor=1`` never moves the scale (jmp's ``scale * 1`` and ``scale / 1``) but still
+    counts, and lifts the scale to a floor above it on an overflow: as jmp does."""
+    steps = [True, True, False, True, True, True, True]
+    cases = [
+        (jnp.float32(8.0), None),
+        (jnp.float16(8.0), jnp.float16(1.0)),
+        (jnp.float16(8.0), None),  # jmp's TypeError: a float16 scale, a float32 floor
+        (jnp.float32(0.5), jnp.float32(2.0)),
+    ]
+    for scale, floor in cases:
+        out = []
+        for mod in (jmp, ours):
+            kwargs = {} if floor is None else {"min_loss_scale": floor}
+            loss_scale = mod.DynamicLossScale(scale, period=3, factor=1, **kwargs)
+            trajectory = []
+            try:
+                for finite in steps:
+                    loss_scale = loss_scale.adjust(jnp.bool_(finite))
+                    trajectory.append((_sig(loss_scale.loss_scale), _sig(loss_scale.counter)))
+            except TypeError as exc:
+                trajectory.append(str(exc).split("\n")[0])
+            out.append(trajectory)
+        assert out[0] == out[1]
+        assert len(out[0]) == (1 if floor is None and scale.dtype == jnp.float16 else len(steps))
 
 
 def test_one_import_line_ports_a_jmp_program_policies_included() -> None:

@@ -56,6 +56,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "scaler",
         (
             "ampscale._scaler",
+            "ampscale._in_place",
             "ampscale.fp8._cuda",
             "ampscale.fp8._distributed",
             "ampscale.fp8._scaler",

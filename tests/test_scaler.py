@@ -120,15 +120,19 @@ def test_step_applies_or_skips_bitwise(fw: Framework) -> None:
 
 
 def test_host_step_does_not_even_call_update_fn_on_overflow() -> None:
+    """Once ``update_fn`` was checked (its first run, on copies, comes before its first step
+    whatever the flag), a host backend does not call it on an overflowing step."""
     calls = []
 
     def update_fn(p, g, s):
         calls.append(1)
-        return p, s
+        return [x.copy() for x in p], s
 
     scaler = ampscale.create_scaler(backend="numpy")
     scaler.step(update_fn, [np.ones(2)], [np.array([np.inf, 1.0])], ())
-    assert calls == []
+    assert calls == [1]  # the check, on copies
+    scaler.step(update_fn, [np.ones(2)], [np.array([np.inf, 1.0])], ())
+    assert calls == [1]
 
 
 def test_outcome_before_any_step() -> None:

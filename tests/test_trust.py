@@ -315,14 +315,33 @@ def test_check_only_calls_read_tensors_that_overlap_themselves() -> None:
 
 @pytest.mark.parametrize("fw", CPU, ids=[f.name for f in CPU])
 def test_an_update_fn_that_raises_says_what_state_the_gradients_are_in(fw: Framework) -> None:
+    """Where arrays can be written, a new ``update_fn`` first runs once on copies: raising
+    there, nothing has changed. Raising on a real call, the gradients had been unscaled (in
+    place where the backend does that) and the note says so. The scaler is never updated."""
     scaler = ampscale.create_scaler(backend=fw.backend, init_scale=4.0)
     grads = [fw.array([8.0], "float32")]
+    checked_on_copies = fw.name != "jax"  # JAX arrays cannot be written: no check
 
     def broken(params: Any, grads: Any, opt_state: Any) -> Any:
         raise RuntimeError("optimizer bug")
 
     with pytest.raises(RuntimeError, match="optimizer bug") as info:
         scaler.step(broken, [fw.array([1.0], "float32")], grads, ())
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    if sys.version_info >= (3, 11):
+        assert ("nothing was changed" if checked_on_copies else "unchanged") in notes
+    assert float(np.asarray(fw.to_numpy(grads[0]))[0]) == 8.0
+
+    calls = []
+
+    def broken_on_its_real_call(params: Any, grads: Any, opt_state: Any) -> Any:
+        calls.append(1)
+        if len(calls) > int(checked_on_copies):
+            raise RuntimeError("optimizer bug")
+        return [p * 1 for p in params], opt_state
+
+    with pytest.raises(RuntimeError, match="optimizer bug") as info:
+        scaler.step(broken_on_its_real_call, [fw.array([1.0], "float32")], grads, ())
     notes = " ".join(getattr(info.value, "__notes__", []))
     if sys.version_info >= (3, 11):
         assert ("already been unscaled in place" if fw.in_place else "unchanged") in notes

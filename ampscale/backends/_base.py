@@ -577,6 +577,21 @@ class Backend(abc.ABC):
         nor version counter)."""
         yield WriteGuard(exact=False)
 
+    def copy_leaf(self, leaf: Any) -> Any:
+        """A copy of an array of this backend, on its device (``Scaler.step``'s check of a new
+        ``update_fn`` runs it on copies)."""
+        return self.namespace().asarray(leaf, copy=True)
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        """Whether two arrays of one shape and dtype hold the same values (a host read).
+
+        The default compares values, nan equal to nan: a write that only flips the sign of a
+        zero or a nan's payload is not seen. Backends that can view the bits override it.
+        """
+        xp = self.namespace()
+        same = xp.logical_or(a == b, xp.logical_and(xp.isnan(a), xp.isnan(b))) if self.is_floating(a) else a == b
+        return bool(xp.all(same))
+
     def masked_add_(self, finite: Any, targets: Sequence[Any], updates: Sequence[Any], alpha: float) -> None:
         """``t += alpha * u`` in place for each pair where the 0-d ``finite`` is true; ``t``
         unchanged, bitwise, where it is false (even when ``u`` holds inf or nan). No host sync:

@@ -262,6 +262,14 @@ class CupyBackend(Backend, CudaStep):
 
         return xp
 
+    def copy_leaf(self, leaf: Any) -> Any:
+        return leaf.copy()  # on the array's device and the current stream
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        from ampscale.backends.numpy import _same_bits
+
+        return _same_bits(a, b)  # one host read (a sync): only Scaler.step's check of a new update_fn
+
     def device_of(self, like: Any) -> Any:
         return like.device if isinstance(like, cupy.ndarray) else None
 

@@ -289,6 +289,12 @@ class NumpyBackend(Backend):
             return update_fn(params, grads, opt_state, finite)
         return params, opt_state
 
+    def copy_leaf(self, leaf: Any) -> Any:
+        return leaf.copy()
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        return _same_bits(a, b)
+
     @contextlib.contextmanager
     def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
         # Read-only for the call: the first in-place write raises, before it changes anything.
@@ -476,3 +482,12 @@ def _warn_no_native() -> None:
 
 BACKEND = NumpyBackend()
 adapter_ready(BACKEND)
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Whether two NumPy (or NumPy-like: CuPy) arrays of one shape and dtype hold the same bits
+    (signed zeros and nan payloads told apart): compared as unsigned integers of their size."""
+    if a.dtype.itemsize not in (1, 2, 4, 8):
+        return bool((a == b).all())
+    unsigned = np.dtype(f"u{a.dtype.itemsize}")
+    return bool((a.view(unsigned) == b.view(unsigned)).all())

@@ -1370,6 +1370,15 @@ class TorchBackend(Backend, CudaStep):
             return params, opt_state
         return update_fn(params, grads, opt_state, finite)
 
+    def copy_leaf(self, leaf: Any) -> Any:
+        return leaf.detach().clone()
+
+    def same_bits(self, a: Any, b: Any) -> bool:
+        bits = _BITS.get(a.element_size())
+        if bits is None or a.dtype != b.dtype:
+            return bool(torch.equal(a, b))
+        return bool(torch.equal(a.view(bits), b.view(bits)))
+
     @contextlib.contextmanager
     def guard_writes(self, arrays: Sequence[Any]) -> Iterator[WriteGuard]:
         # torch counts every in-place write into a tensor (or a view of its memory): exact, but
@@ -1440,6 +1449,10 @@ class TorchBackend(Backend, CudaStep):
                 )
             )
         return out
+
+
+#: integer dtypes of each element size, to compare tensors bit for bit
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _VersionGuard(WriteGuard):
