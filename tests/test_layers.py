@@ -13,8 +13,11 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "ampscale"
+import ampscale  # imports no framework (tests/test_imports.py)
+
+# the package that runs: the source tree's, or an installed copy (scripts/test_installed.py)
+PACKAGE = pathlib.Path(ampscale.__file__).resolve().parent
+ROOT = PACKAGE.parent
 
 #: the layers, lowest first: (name, the modules in it; a name ending in ".*" takes a whole subpackage)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
