@@ -254,3 +254,79 @@ def keras_run(stream: list[float], fmt: str, length: int, skipped: list[bool] | 
             scale, history = ops.reshape(new_scale, (1,)), new_history
         out.append((float(np.asarray(scale).reshape(-1)[0]), np.asarray(history).copy()))
     return out
+
+
+# ---------------------------------------------------------------- TE's _extra_state, pickled as TE does
+
+
+def te_extra_state_bytes(recipe_fields: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """TE's ``_extra_state`` as ``TransformerEngineBaseModule.get_extra_state``
+    (transformer_engine/pytorch/module/base.py) makes it: ``pickle.dumps`` of ``{"recipe",
+    "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd", "extra_fp8_variables"}``
+    with torch CPU tensors, as a uint8 tensor.
+
+    The recipe is an instance of a class with TE's qualified name,
+    ``transformer_engine.common.recipe.DelayedScaling`` (a dataclass with TE's fields, whose
+    ``fp8_format`` is a ``Format`` enum member valued by a ``_FormatHelper`` named tuple, as in
+    transformer_engine/common/recipe/__init__.py), from a module put in ``sys.modules`` for the
+    pickling only: the bytes name the classes exactly as a TE 2.x checkpoint does.
+    """
+    import dataclasses
+    import pickle
+    import sys
+    import types
+
+    import torch
+
+    names = ["transformer_engine", "transformer_engine.common", "transformer_engine.common.recipe"]
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name in names:
+            module = types.ModuleType(name)
+            module.__path__ = []  # type: ignore[attr-defined]
+            sys.modules[name] = module
+        recipe_module = sys.modules[names[-1]]
+
+        class _FormatHelper(typing.NamedTuple):
+            max_fwd: float
+            max_bwd: float
+
+        class Format(enum.Enum):
+            E2M1 = _FormatHelper(max_fwd=6, max_bwd=6)
+            E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+            E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
+            HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+
+        class Recipe:
+            pass
+
+        @dataclasses.dataclass(repr=False)
+        class DelayedScaling(Recipe):
+            margin: int = 0
+            fp8_format: Format = Format.HYBRID
+            amax_history_len: int = 1024
+            amax_compute_algo: Any = "max"
+            scaling_factor_compute_algo: Any = None
+            reduce_amax: bool = True
+            fp8_dpa: bool = False
+            fp8_mha: bool = False
+            backward_override: Any = None
+
+        for cls in (_FormatHelper, Format, Recipe, DelayedScaling):
+            cls.__module__ = recipe_module.__name__
+            cls.__qualname__ = cls.__name__
+            setattr(recipe_module, cls.__name__, cls)
+        fields = dict(recipe_fields)
+        if isinstance(fields.get("fp8_format"), str):
+            fields["fp8_format"] = Format[fields["fp8_format"]]
+        state = {"recipe": DelayedScaling(**fields)}
+        state.update({key: torch.as_tensor(np.asarray(value, np.float32)) for key, value in tensors.items()})
+        state["extra_fp8_variables"] = {"num_gemms": 1, "fp8_checkpoint": True}
+        raw = bytearray(pickle.dumps(state))
+        return torch.frombuffer(raw, dtype=torch.uint8)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module

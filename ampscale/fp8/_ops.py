@@ -1,15 +1,19 @@
 """The operations the FP8 transition needs, vectorised over the slots of one array framework.
 
 :func:`ampscale.fp8._transition.slot_transition` is written once against these operations.
-:class:`Fp8ArrayOps` runs it on ``[N]`` arrays (and the ``[N, L]`` history) of NumPy, JAX,
-torch or CuPy, on the device that holds them, with no host transfer: every operation is an
-elementwise array operation or a reduction over the history axis. The same operations are
-traced into Python and C by :mod:`ampscale.fp8._codegen`, which must give the same bits.
+:class:`Fp8ArrayOps` runs it on ``[N]`` arrays (and the ``[N, L]`` ring-buffer history) of
+NumPy, JAX, torch or CuPy, on the device that holds them, with no host transfer: every
+operation is an elementwise array operation, a one-element write per row of the history, or a
+reduction over the history axis. The same operations are traced into Python and C by
+:mod:`ampscale.fp8._codegen`, which must give the same bits.
 
-Exactness: every float32 division and product is the framework's own float32 operation
-(correctly rounded, IEEE); the one float64 rule (torchao's ``amax_to_scale``) is computed in
-float32 arithmetic that gives the float64 result rounded once (see :meth:`div_wide`), so it
-needs no float64 (JAX without x64). Bit operations (``pow2``) go through a bitcast to int32.
+Exactness: every float32 division and product is correctly rounded (IEEE), subnormals kept:
+the framework's own operation on NumPy, torch and CuPy; on JAX, whose CPU code flushes
+subnormal operands and results, integer arithmetic on the bits (:mod:`ampscale.fp8._exact`),
+and comparisons that a subnormal could fool (``== 0``, ``> 0``, ``<``) by the bits too. The one
+float64 rule (torchao's ``amax_to_scale``) is computed in float32 arithmetic that gives the
+float64 result rounded once (see :meth:`div_wide`), so it needs no float64 (JAX without x64).
+Bit operations (``pow2``, ``floor_log2``) go through a bitcast to int32.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from ampscale._config import FLOAT32_TINY, INT32_MAX
+from ampscale.fp8 import _exact
 
-__all__ = ["Fp8ArrayOps", "floor_log2_thresholds", "framework_of"]
+__all__ = ["Fp8ArrayOps", "floor_log2_thresholds", "framework_of", "make_ops", "subnormal_floor_log2_thresholds"]
 
 #: 0xFF800000 as an int32: sign and exponent bits of a float32
 _MASK = -8388608
@@ -62,6 +67,29 @@ def floor_log2_thresholds() -> tuple[int, ...]:
     return tuple(table)
 
 
+@functools.lru_cache(maxsize=1)
+def subnormal_floor_log2_thresholds() -> tuple[int, ...]:
+    """For a subnormal float32 ``f * 2**-149`` whose fraction ``f`` has its leading bit at ``j``
+    (0 to 22), the smallest ``f`` whose float32 ``log2`` rounds up to ``j - 148``; ``2**(j+1)``
+    when none does. ``floor(log2(x))`` of a subnormal is ``j - 149``, plus one from there."""
+    table = []
+    for j in range(23):
+        target = j - 148
+
+        def rounds_up(fraction: int, target: int = target) -> bool:
+            return float(np.float32(math.log2(fraction * 2.0**-149))) >= target
+
+        low, high = 1 << j, 1 << (j + 1)
+        while low < high:
+            middle = (low + high) // 2
+            if rounds_up(middle):
+                high = middle
+            else:
+                low = middle + 1
+        table.append(low)
+    return tuple(table)
+
+
 def framework_of(array: Any) -> str:
     """``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``, from the array's type."""
     module = type(array).__module__.split(".")[0]
@@ -83,9 +111,13 @@ class Fp8ArrayOps:
         framework: ``"numpy"``, ``"jax"``, ``"torch"`` or ``"cupy"``.
         device: where constants are placed (a torch device; ignored elsewhere).
         slot_max: the largest finite value of each slot's format (for :meth:`div_wide`).
+        donate: write the history in place (NumPy, torch, CuPy; JAX writes in place when the
+            caller's ``jit`` donates the state).
     """
 
-    def __init__(self, framework: str, device: Any = None, slot_max: tuple[float, ...] = ()) -> None:
+    def __init__(
+        self, framework: str, device: Any = None, slot_max: tuple[float, ...] = (), donate: bool = False
+    ) -> None:
         self.framework = framework
         self.device = device
         self.slot_max = slot_max
@@ -107,6 +139,8 @@ class Fp8ArrayOps:
             self.xp = np
         self._float = self.xp.float32
         self._int = self.xp.int32
+        #: NumPy, torch, CuPy: the history is written in place (the caller gave up the old state)
+        self.donate = donate and framework != "jax"
         # JAX traces: a constant made inside one trace must not outlive it
         self._constants: dict[Any, Any] | None = None if framework == "jax" else {}
 
@@ -138,6 +172,14 @@ class Fp8ArrayOps:
     def f32(self, value: float) -> Any:
         return self.array(value, "float32")
 
+    def enter(self, x: Any) -> Any:
+        """A float32 array as this object's float values (itself; JAX: its bit patterns)."""
+        return x
+
+    def leave(self, x: Any) -> Any:
+        """This object's float values as a float32 array (:meth:`enter` undone)."""
+        return x
+
     def true(self) -> Any:
         return True
 
@@ -148,6 +190,11 @@ class Fp8ArrayOps:
         if self.framework == "torch":
             return flags.to(self._int)
         return flags.astype(self._int)
+
+    def _to_float(self, values: Any) -> Any:
+        if self.framework == "torch":
+            return values.to(self._float)
+        return values.astype(self._float)
 
     def _bits(self, x: Any) -> Any:
         if self.framework == "jax":
@@ -209,6 +256,18 @@ class Fp8ArrayOps:
     def isnan(self, x: Any) -> Any:
         return self.xp.isnan(x)
 
+    def is_zero(self, x: Any) -> Any:
+        """``x == 0`` (either sign); a subnormal is not 0."""
+        return x == self.f32(0.0)
+
+    def positive(self, x: Any) -> Any:
+        """``x > 0``; a positive subnormal is positive."""
+        return x > self.f32(0.0)
+
+    def less(self, a: Any, b: Any) -> Any:
+        """``a < b`` for float32 values (nan compares false)."""
+        return a < b
+
     def div(self, a: Any, b: Any) -> Any:
         with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
             return a / b
@@ -216,6 +275,10 @@ class Fp8ArrayOps:
     def mul(self, a: Any, b: Any) -> Any:
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
             return a * b
+
+    def sub(self, a: Any, b: Any) -> Any:
+        """``a - b`` for values that are integers, inf or nan (exact on every backend)."""
+        return a - b
 
     def flush(self, x: Any) -> Any:
         """0 where ``|x|`` is subnormal (XLA's CPU flush-to-zero), else ``x``."""
@@ -247,45 +310,197 @@ class Fp8ArrayOps:
         bits = self._bits(x)
         biased = (bits >> 23) & 0xFF
         mantissa = bits & 0x7FFFFF
-        table = self.array(list(floor_log2_thresholds()), "int32")
-        if self.framework == "torch":
-            threshold = table[biased.long()]
-        else:
-            threshold = xp.take(table, biased)
+        threshold = self._take(list(floor_log2_thresholds()), biased)
         up = self._to_int(mantissa >= threshold)
         rounded = (biased + up) << 23
         normal = xp.logical_and(biased >= 1, biased <= 254)
         out = xp.where(normal, rounded, xp.where(biased == 0, self.int32(0), bits))
         return self._from_bits(out)
 
+    def _take(self, table: list[int], index: Any) -> Any:
+        """``table[index]`` elementwise, the table a cached int32 constant."""
+        constant = self.array(table, "int32")
+        if self.framework == "torch":
+            return constant[index.long()]
+        return self.xp.take(constant, index)
+
+    def floor_log2(self, x: Any) -> Any:
+        """``floor(log2(x))`` as float32, with torch's float32 ``log2`` (which rounds up just below
+        a power of two): an integer, ``-inf`` for 0, inf for inf, nan for nan and negatives."""
+        xp = self.xp
+        bits = self._bits(x)
+        magnitude = bits & 0x7FFFFFFF
+        biased = magnitude >> 23
+        mantissa = bits & 0x7FFFFF
+        normal_up = self._to_int(mantissa >= self._take(list(floor_log2_thresholds()), biased))
+        normal = biased - 127 + normal_up
+        # a subnormal: the leading bit of its fraction, then the same rounding near each power
+        lead = xp.zeros_like(mantissa)
+        for j in range(1, 23):
+            lead = lead + self._to_int(mantissa >= (1 << j))
+        subnormal_up = self._to_int(mantissa >= self._take(list(subnormal_floor_log2_thresholds()), lead))
+        subnormal = lead - 149 + subnormal_up
+        value = self._to_float(xp.where(biased == 0, subnormal, normal))
+        value = xp.where(magnitude == 0, self.f32(-math.inf), value)
+        value = xp.where(magnitude == 0x7F800000, self.f32(math.inf), value)
+        bad = (magnitude > 0x7F800000) | ((bits < 0) & (magnitude != 0))
+        return xp.where(bad, self.f32(math.nan), value)
+
+    def exp2_abs(self, e: Any) -> Any:
+        """``round(pow(2, |e|))`` in float32 for integral ``e`` (MS-AMP): inf past 2**127, nan kept."""
+        xp = self.xp
+        magnitude = xp.abs(e)
+        small = magnitude < self.f32(128.0)
+        whole = xp.where(small, magnitude, self.f32(0.0))
+        k = whole.to(self._int) if self.framework == "torch" else whole.astype(self._int)  # exact: integral
+        power = self._from_bits((k + 127) << 23)
+        out = xp.where(small, power, self.f32(math.inf))
+        return xp.where(xp.isnan(e), self.f32(math.nan), out)
+
     # ------------------------------------------------------------------ the history
 
-    def push(self, history: Any, value: Any, write: Any) -> Any:
-        """``history[:, 1:] + value`` where ``write``, else ``history`` (oldest first)."""
-        xp = self.xp
+    def _rows(self, n: int) -> Any:
         if self.framework == "torch":
-            shifted = xp.cat([history[..., 1:], value[..., None]], dim=-1)
+            return self.xp.arange(n, device=self.device)
+        return self.array(list(range(n)), "int32") if self.framework != "jax" else self.xp.arange(n)
+
+    def push(self, history: Any, head: Any, value: Any, write: Any, twice: Any = False) -> Any:
+        """The ring after writing ``value`` at ``head`` where ``write`` (and also at ``head - 1``
+        where ``twice``): one element per row, nothing rolled.
+
+        The old ``history`` is left as it was unless this ops object donates it (NumPy, torch
+        and CuPy then write into it: see :func:`ampscale.fp8.update_state`).
+        """
+        xp = self.xp
+        n, length = history.shape[0], history.shape[-1]
+        rows = self._rows(n)
+        if self.framework == "torch":
+            index = head.long()
+            previous = (index + (length - 1)) % length
         else:
-            shifted = xp.concatenate([history[..., 1:], value[..., None]], axis=-1)
-        if write is True:
-            return shifted
-        condition = write[..., None] if getattr(write, "ndim", 0) else write
-        return self.where(condition, shifted, history)
+            index = head
+            previous = (head + (length - 1)) % length
+        old = history[rows, index]
+        new = value if write is True else xp.where(write, value, old)
+        if self.framework == "jax":
+            out = history.at[rows, index].set(new)
+            if twice is not False:
+                out = out.at[rows, previous].set(xp.where(twice, value, out[rows, previous]))
+            return out
+        out = history if self.donate else (history.clone() if self.framework == "torch" else history.copy())
+        out[rows, index] = new
+        if twice is not False:
+            out[rows, previous] = xp.where(twice, value, out[rows, previous])
+        return out
+
+    def ring_next(self, head: Any, length: int) -> Any:
+        """``(head + 1) % length``."""
+        following = head + 1
+        return self.xp.where(following == length, self.int32(0), following)
 
     def window_max(self, history: Any, nan_rule: str) -> Any:
-        """The largest amax of each window: nan dropped (``fmaxf``) or propagated."""
+        """The largest amax of each window (from 0, as ``fmaxf`` from 0 is): nan dropped
+        (``fmaxf``) or propagated. Compared by the bits, so subnormals count on every backend."""
         xp = self.xp
-        nan = xp.isnan(history)
-        clean = xp.where(nan, self.f32(0.0), history)
+        bits = self._bits(history)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        # nonnegative float32 values order as their bit patterns; nan, -0 and negatives count as 0
+        clean = xp.where(nan | (bits < 0), self.int32(0), bits)
         if self.framework == "torch":
             top = xp.amax(clean, dim=-1)
             any_nan = xp.any(nan, dim=-1)
         else:
             top = xp.max(clean, axis=-1)
             any_nan = xp.any(nan, axis=-1)
+        top = self._from_bits(top)
         if nan_rule == "drop":
             return top
         return xp.where(any_nan, self.f32(math.nan), top)
+
+
+class _JaxBitsOps(Fp8ArrayOps):
+    """:class:`Fp8ArrayOps` for JAX, whose float32 values are carried as their int32 bit patterns.
+
+    XLA's CPU code flushes subnormals (denormals-are-zero and flush-to-zero), and LLVM turns
+    some integer tests on a float's bits into float comparisons when the float is at hand, so
+    that even a bit test can read a subnormal as 0. Here no float32 value exists between
+    :meth:`enter` and :meth:`leave`: comparisons, selections, the history and the arithmetic
+    (:mod:`ampscale.fp8._exact`) all run on int32 bits, which no floating-point mode touches.
+    The only float operations left act on integral exponents (MS-AMP's rule), never subnormal.
+    """
+
+    def enter(self, x: Any) -> Any:
+        return self._lax.bitcast_convert_type(self.xp.asarray(x, self.xp.float32), self.xp.int32)
+
+    def leave(self, x: Any) -> Any:
+        return self._lax.bitcast_convert_type(x, self.xp.float32)
+
+    def f32(self, value: float) -> Any:
+        return self.xp.asarray(_bits_of(value), self.xp.int32)
+
+    def _bits(self, x: Any) -> Any:
+        return x
+
+    def _from_bits(self, bits: Any) -> Any:
+        return bits
+
+    def _to_float(self, values: Any) -> Any:
+        return self.enter(values.astype(self.xp.float32))
+
+    def isfinite(self, x: Any) -> Any:
+        return (x & 0x7FFFFFFF) < 0x7F800000
+
+    def isinf(self, x: Any) -> Any:
+        return (x & 0x7FFFFFFF) == 0x7F800000
+
+    def isnan(self, x: Any) -> Any:
+        return (x & 0x7FFFFFFF) > 0x7F800000
+
+    def is_zero(self, x: Any) -> Any:
+        return _exact.is_zero(x, self.xp)
+
+    def positive(self, x: Any) -> Any:
+        return (x > 0) & (x <= 0x7F800000)
+
+    def less(self, a: Any, b: Any) -> Any:
+        numbers = self.logical_not(self.isnan(a)) & self.logical_not(self.isnan(b))
+        return numbers & (_exact.float_key(a, self.xp) < _exact.float_key(b, self.xp))
+
+    def div(self, a: Any, b: Any) -> Any:
+        return _exact.exact_div_bits(a, b, self._lax, self.xp)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        return _exact.exact_mul_bits(a, b, self._lax, self.xp)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        # integral exponents only (MS-AMP's rule): exact, and never subnormal
+        return self.enter(self.leave(a) - self.leave(b))
+
+    def flush(self, x: Any) -> Any:
+        return self.xp.where((x & 0x7F800000) == 0, 0, x)
+
+    def div_wide(self, numerator: Any, denominator: Any, eps: float) -> Any:
+        floor32 = self.f32(float32_ceiling(eps))
+        at_floor = self.enter(self.array([_narrow(m / eps) for m in self.slot_max], "float32"))
+        return self.xp.where(self.less(denominator, floor32), at_floor, self.div(numerator, denominator))
+
+    def exp2_abs(self, e: Any) -> Any:
+        xp = self.xp
+        magnitude = xp.abs(self.leave(e))  # an integral exponent, inf or nan: never subnormal
+        small = magnitude < 128.0
+        k = xp.where(small, magnitude, 0.0).astype(xp.int32)
+        power = xp.where(small, (k + 127) << 23, 0x7F800000)
+        return xp.where(self.isnan(e), _bits_of(math.nan), power)
+
+
+def _bits_of(value: float) -> int:
+    return int(np.asarray(value, np.float32).view(np.int32))
+
+
+def make_ops(framework: str, device: Any = None, slot_max: tuple[float, ...] = (), donate: bool = False) -> Fp8ArrayOps:
+    """The FP8 operations of ``framework`` (JAX's carry float32 values as bits)."""
+    kind = _JaxBitsOps if framework == "jax" else Fp8ArrayOps
+    return kind(framework, device=device, slot_max=slot_max, donate=donate)
 
 
 def float32_ceiling(value: float) -> float:

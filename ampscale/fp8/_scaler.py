@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._cast import dequantize_as, quantize_as, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
 from ampscale.fp8._ops import Fp8ArrayOps, framework_of
-from ampscale.fp8._transition import Fp8State, initial_state_values
-from ampscale.fp8._update import device_of, ops_for, update_state
+from ampscale.fp8._transition import Fp8State, in_warmup, initial_state_values, warmup_scale
+from ampscale.fp8._update import canonical_history, device_of, ops_for, update_state
 
 __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
 
@@ -41,6 +41,7 @@ def init_state(config: Fp8Config, backend: str = "numpy", device: Any = None) ->
         zero_amax=ops.new_array([0] * n, "int32"),
         nonfinite=ops.new_array([0] * n, "int32"),
         steps=ops.new_array(0, "int32"),
+        head=ops.new_array([0] * n, "int32"),
     )
 
 
@@ -133,23 +134,26 @@ class Fp8Scaler:
             return ops.xp.tensor(float(a), dtype=ops.xp.float32, device=ops.device)
         return ops.xp.asarray(float(a), dtype=ops.xp.float32)
 
-    def update(self, amax: Any, step_ok: Any = True) -> Fp8Scaler:
+    def update(self, amax: Any, step_ok: Any = True, donate: bool = False) -> Fp8Scaler:
         """The scaler after one optimizer step whose amaxes were ``amax``.
 
         Args:
-            amax: ``[N]`` float32 array of the state's framework (max over micro-batches and
-                ranks: see :func:`ampscale.fp8.combine_amax` and :func:`ampscale.fp8.reduce_amax`),
-                a list of N values, or a dict slot -> value.
+            amax: ``[N]`` float32 array of the state's framework, a list of N values, or a dict
+                slot -> value. Under gradient accumulation or data parallelism, pass the ``max``
+                over the micro-batches and the ranks (combined and reduced before this call).
             step_ok: whether the loss scaler applied this step (a bool or 0-d bool array; the
                 ``finite`` of ``Scaler.unscale``). With ``on_skipped_step="freeze"`` a skipped
                 step changes no scale and no history.
+            donate: give this scaler's state up, so that NumPy, torch and CuPy write the one
+                new amax per slot into its history buffer instead of copying ``[N, L]``
+                values; this scaler must not be used afterwards.
 
         Raises:
-            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots;
-                nothing is changed.
+            ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots,
+                or a ``step_ok`` that is not a bool; nothing is changed.
         """
         vector = self._amax_vector(amax)
-        state, _updated = update_state(self.config, self.state, vector, step_ok)
+        state, _updated = update_state(self.config, self.state, vector, step_ok, donate=donate)
         return Fp8Scaler(self.config, state)
 
     # ------------------------------------------------------------------ casts
@@ -162,31 +166,56 @@ class Fp8Scaler:
         """The dequantization scale of ``slot`` (a 0-d array)."""
         return self.state.scale_inv[self.index(slot)]
 
-    def quantize(self, x: Any, slot: str | int) -> tuple[Any, Any, Any]:
+    def _cast_scales(self, k: int, amax: Any) -> tuple[Any, Any]:
+        """The ``(scale, scale_inv)`` a cast of slot ``k`` uses: the state's, or in a warm-up
+        (torchao's first cast, MS-AMP's in-time scaling) the rule applied to ``amax``."""
+        c = self.config
+        scale, scale_inv = self.state.scale[k], self.state.scale_inv[k]
+        if c.warmup == "none":
+            return scale, scale_inv
+        framework = self.framework
+        ops = ops_for(c, framework, device_of(self.state.scale, framework))
+        early, early_inv = warmup_scale(c, ops.enter(scale), ops.enter(amax), ops.f32(c.slot_max[k]), ops)
+        warm = in_warmup(c, self.state.filled[k], ops)
+        return ops.where(warm, ops.leave(early), scale), ops.where(warm, ops.leave(early_inv), scale_inv)
+
+    def quantize(self, x: Any, slot: str | int, compute_dtype: Any = None) -> tuple[Any, Any, Any]:
         """``(q, scale_inv, amax)``: ``x`` saturated into ``slot``'s format, the scale to
-        dequantize it with, and ``max(|x|)`` for the next :meth:`update`. Changes no state."""
-        k = self.index(slot)
-        fmt = self.config.slot_formats[k]
-        if self.config.storage == "inverse":
-            q = quantize(x, self.state.scale_inv[k], fmt, divide=True)
-        else:
-            q = quantize(x, self.state.scale[k], fmt)
-        return q, self.state.scale_inv[k], tensor_amax(x)
+        dequantize it with, and ``max(|x|)`` for the next :meth:`update`. Changes no state.
 
-    def dequantize(self, q: Any, slot: str | int, dtype: Any = None) -> Any:
-        """``q * scale_inv`` of ``slot``."""
-        return dequantize(q, self.state.scale_inv[self.index(slot)], dtype)
-
-    def qdq(self, x: Any, slot: str | int) -> Any:
-        """Fake quantization of ``x`` with ``slot``'s scales, in ``x``'s dtype."""
+        Cast as the preset's anchor does (the ``cast`` setting); ``compute_dtype`` is the
+        dtype flax and Keras divide in (``None``: ``x``'s dtype; the other presets cast in
+        float32). In a warm-up (``warmup`` setting) the scale comes from ``amax`` itself.
+        """
         k = self.index(slot)
-        return quantize_dequantize(
-            x,
-            self.state.scale[k],
-            self.state.scale_inv[k],
-            self.config.slot_formats[k],
-            divide=self.config.storage == "inverse",
-        )
+        c = self.config
+        amax = tensor_amax(x)
+        scale, scale_inv = self._cast_scales(k, amax)
+        q = quantize_as(x, scale, scale_inv, c.slot_formats[k], c.cast, compute_dtype)
+        return q, scale_inv, amax
+
+    def dequantize(self, q: Any, slot: str | int, dtype: Any = None, compute_dtype: Any = None) -> Any:
+        """``q`` back in ``dtype`` (``None``: float32) with ``slot``'s scales, as the preset's
+        anchor dequantizes (``q * scale_inv``; torchao ``q / scale``; flax and Keras ``q * S``
+        in ``dtype`` or, for Keras, ``compute_dtype``). Uses the state's scales: a cast in a
+        warm-up dequantizes with the ``scale_inv`` that :meth:`quantize` returned."""
+        k = self.index(slot)
+        return dequantize_as(q, self.state.scale[k], self.state.scale_inv[k], self.config.cast, dtype, compute_dtype)
+
+    def qdq(self, x: Any, slot: str | int, compute_dtype: Any = None) -> Any:
+        """Fake quantization of ``x`` with ``slot``'s scales, as the preset's anchor does it: in
+        ``x``'s dtype (Keras: the compute dtype; torchao rowwise: float32)."""
+        k = self.index(slot)
+        c = self.config
+        scale, scale_inv = self._cast_scales(k, tensor_amax(x) if c.warmup != "none" else None)
+        q = quantize_as(x, scale, scale_inv, c.slot_formats[k], c.cast, compute_dtype)
+        return dequantize_as(q, scale, scale_inv, c.cast, x.dtype, compute_dtype)
+
+    def history(self, slot: str | int | None = None) -> Any:
+        """The amax history, oldest first: ``[N, L]``, or ``[L]`` for one ``slot`` (the
+        state's framework and device; the state keeps it as a ring buffer)."""
+        ordered = canonical_history(self.state)
+        return ordered if slot is None else ordered[self.index(slot)]
 
     # ------------------------------------------------------------------ host reads
 
@@ -224,8 +253,9 @@ def _to_host(array: Any) -> Any:
 
 
 def host_state(state: Fp8State) -> Fp8State:
-    """``state`` as NumPy arrays (a host read)."""
-    return Fp8State(*(_to_host(field) for field in state))
+    """``state`` as NumPy arrays (a host read); a missing ``head`` (canonical order) as zeros."""
+    head = np.zeros(np.shape(_to_host(state.scale)), np.int32) if state.head is None else _to_host(state.head)
+    return Fp8State(*(_to_host(field) for field in state[:-1]))._replace(head=head)
 
 
 def to_framework(state: Fp8State, framework: str, device: Any = None) -> Fp8State:
