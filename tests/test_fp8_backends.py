@@ -161,3 +161,100 @@ def test_exact_arithmetic_equals_numpy_on_every_kind_of_operand():
             nan = np.isnan(expected)
             wrong = np.flatnonzero((got.view(np.uint32) != expected.view(np.uint32)) & ~nan | (np.isnan(got) != nan))
             assert wrong.size == 0, [(name, a[i], b[i], got[i], expected[i]) for i in wrong[:3]]
+
+
+SHARDED = r"""
+import json
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ampscale.fp8 as fp8
+from ampscale.fp8._config import make_fp8_config
+
+assert len(jax.devices()) == 4, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("slots",))
+names = {f"t{k}": "forward" if k % 2 else "backward" for k in range(8)}
+results = {}
+for preset in ("te_delayed", "flax", "msamp", "torchao_delayed"):
+    config = make_fp8_config(preset, names, history_len=16)
+    rows = P("slots", None)
+    spec = fp8.Fp8State(P("slots"), P("slots"), rows, P("slots"), P("slots"), P("slots"), P(), P("slots"))
+    shard = lambda state: jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, spec)
+    state = shard(fp8.init_state(config, "jax"))
+    # XLA's propagation through the ring's one-element scatter may replicate the history: the
+    # caller's out_shardings keeps the slots where they were (the state is donated, so in place)
+    placed = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec)
+    step = jax.jit(lambda s, a, ok: fp8.update_state(config, s, a, ok)[0], donate_argnums=0, out_shardings=placed)
+    reference = fp8.init_state(config, "numpy")
+    rng = np.random.default_rng(4)
+    special = np.float32([0.0, 1e-40, 3e38, np.inf, np.nan])
+    for t in range(24):
+        normal = rng.uniform(0.01, 1000, 8)
+        amax = np.where(rng.random(8) < 0.8, normal, special[rng.integers(0, 5, 8)]).astype(np.float32)
+        ok = bool(t % 7)
+        state = step(state, jax.device_put(amax, NamedSharding(mesh, P("slots"))), jnp.asarray(ok))
+        reference, _ = fp8.update_state(config, reference, amax, ok)
+    same = all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(state, reference, strict=True)
+    )
+    kept = state.history.sharding.spec == rows and state.scale.sharding.spec == P("slots")
+    scaler = fp8.Fp8Scaler(config, state)
+    saved = scaler.state_dict() == fp8.Fp8Scaler(config, reference).state_dict()
+    results[preset] = [same, bool(kept), saved]
+print(json.dumps(results))
+"""
+
+
+def test_sharded_jax_state_updates_as_numpy_does():
+    """8 slots sharded over 4 CPU devices (a subprocess: the device count is set before JAX
+    starts): the jitted update, the state donated and its shardings as out_shardings, equals
+    NumPy bit for bit and keeps the slots on their devices; its checkpoint is NumPy's."""
+    pytest.importorskip("jax")
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results == {p: [True, True, True] for p in ("te_delayed", "flax", "msamp", "torchao_delayed")}
+
+
+@pytest.mark.parametrize(
+    ("step_ok", "error", "message"),
+    [
+        ("yes", TypeError, r"step_ok must be a bool or a 0-d bool array.*got str 'yes'"),
+        (1, TypeError, "step_ok must be a bool.*got int 1"),
+        (np.array([True, False]), ValueError, r"step_ok must be .*got shape \(2,\)"),
+        (np.float32(1.0), TypeError, "got an array of dtype float32"),
+    ],
+)
+def test_a_bad_step_ok_is_refused_before_anything_changes(step_ok, error, message):
+    f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=2)
+    before = [np.asarray(x).copy() for x in f8.state]
+    with pytest.raises(error, match=message):
+        f8.update(np.float32([1.0, 2.0, 3.0]), step_ok=step_ok)
+    assert all(a.tobytes() == np.asarray(b).tobytes() for a, b in zip(before, f8.state, strict=True))
+
+
+def test_a_torch_step_ok_of_the_wrong_shape_is_refused():
+    torch = pytest.importorskip("torch")
+    f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, backend="torch", history_len=2)
+    with pytest.raises(ValueError, match=r"got shape \(3,\)"):
+        f8.update(torch.ones(3), step_ok=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"got an array of dtype torch\.float32"):
+        f8.update(torch.ones(3), step_ok=torch.ones((), dtype=torch.float32))
+
+
+def test_msamp_in_its_warm_up_keeps_the_in_time_scale_of_a_skipped_step():
+    """MS-AMP's cast runs even when the loss scaler skips the optimizer step: in the warm-up its
+    in-time scale replaces the scale, and the skipped update changes nothing else."""
+    f8 = fp8.create_fp8_scaler("msamp", {"x": "forward"}, history_len=4)
+    f8 = f8.update(np.float32([1.0]))  # 448 / 1 -> 256
+    skipped = f8.update(np.float32([3.0]), step_ok=False)  # in time: 448 / 3 -> 128
+    assert skipped.scales_sync() == {"x": 128.0}
+    assert np.asarray(skipped.history(0)).tolist() == np.asarray(f8.history(0)).tolist()
+    assert int(skipped.state.filled[0]) == 1
+    warm = fp8.create_fp8_scaler("msamp", {"x": "forward"}, history_len=1).update(np.float32([1.0]))
+    assert warm.update(np.float32([3.0]), step_ok=False).scales_sync() == {"x": 128.0}

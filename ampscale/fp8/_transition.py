@@ -36,6 +36,10 @@ The algorithm, for one slot and one call of ``update(amax, step_ok)``::
     filled = 0 if write and nonfinite_amax == "zero" and a is inf or nan else filled + write
     keep everything but the history, the head and the counters when not updated
 
+With ``warmup="window"`` (MS-AMP) a slot still in its warm-up first takes the scale of its own
+amax (the cast ran in time and replaced the scale), which the window's rule then falls back to,
+and which a skipped step keeps.
+
 Every division is one correctly rounded float32 division (``"float64"``: float64, rounded
 once to float32), so NumPy, JAX, torch, the emitted Python and the emitted C agree bit for bit.
 Casts in a warm-up (``warmup != "none"``) scale by the tensor's own amax with the same rule
@@ -107,9 +111,10 @@ def canonical_order(head: int, length: int) -> list[int]:
     return [(head + i) % length for i in range(length)]
 
 
-def _scale_rule(config: Fp8Config, m: Any, scale: Any, fp8_max: Any, ops: Any) -> Any:
+def _scale_rule(config: Fp8Config, m: Any, scale: Any, fp8_max: Any, ops: Any, margin: int | None = None) -> Any:
     """The new scale for the window's amax ``m`` (its bad values included), before storage."""
     c = config
+    margin = c.margin if margin is None else margin
     zero = ops.f32(0.0)
     one = ops.f32(1.0)
     if c.scale_rule != "float64" and c.eps_value > 0.0:
@@ -118,17 +123,17 @@ def _scale_rule(config: Fp8Config, m: Any, scale: Any, fp8_max: Any, ops: Any) -
 
     if c.scale_rule == "divide":
         # TE: scaled_max = fp8_max * std::pow(2.f, -margin) in float, exact for integer margins
-        candidate = ops.div(ops.mul(fp8_max, ops.f32(2.0**-c.margin)), m)
+        candidate = ops.div(ops.mul(fp8_max, ops.f32(2.0**-margin)), m)
     elif c.scale_rule == "reciprocal":
         # torch's float / tensor is tensor.reciprocal() * float: two roundings
-        candidate = ops.div(ops.mul(ops.div(one, m), fp8_max), ops.f32(2.0**c.margin))
+        candidate = ops.div(ops.mul(ops.div(one, m), fp8_max), ops.f32(2.0**margin))
     elif c.scale_rule == "divide_then_margin":
-        candidate = ops.div(ops.div(fp8_max, m), ops.f32(2.0**c.margin))
+        candidate = ops.div(ops.div(fp8_max, m), ops.f32(2.0**margin))
     elif c.scale_rule == "msamp":
         # ScalingMeta.compute_scaling_factor, as TorchScript runs it: fp_max / amax is
         # reciprocal(amax) * fp_max; a bad amax keeps the scale, and the inversion for e < 0
         # applies to the kept scale too (an inf amax, e = -inf, gives 1 / scale)
-        exponent = ops.sub(ops.floor_log2(ops.mul(ops.div(one, m), fp8_max)), ops.f32(float(c.margin)))
+        exponent = ops.sub(ops.floor_log2(ops.mul(ops.div(one, m), fp8_max)), ops.f32(float(margin)))
         factor = ops.exp2_abs(exponent)
         factor = ops.where(ops.positive(m), factor, scale)
         factor = ops.where(ops.isfinite(m), factor, scale)
@@ -169,14 +174,16 @@ def warmup_scale(config: Fp8Config, scale: Any, amax: Any, fp8_max: Any, ops: An
     torchao's removed delayed scaling computes the first cast's scale from the tensor
     (``_maybe_initialize_amaxes_scales_for_float8_cast``); MS-AMP casts "in time" until its
     window is full (``ScalingMeta.reset_scaling_factor`` from ``cast_to_fp8``, after turning a
-    nan amax into inf).
+    nan amax into inf, and with a margin of 0: ``reset_scaling_factor`` passes 0, whatever the
+    margin of the window's rule).
     """
     a = amax
     if config.amax_nan == "inf":
         a = ops.where(ops.isnan(a), ops.f32(float("inf")), a)
     if config.subnormals == "flush":
         a = ops.flush(a)
-    return _stored(config, _scale_rule(config, a, scale, fp8_max, ops), ops)
+    margin = 0 if config.warmup == "window" else None
+    return _stored(config, _scale_rule(config, a, scale, fp8_max, ops, margin), ops)
 
 
 def in_warmup(config: Fp8Config, filled: Any, ops: Any) -> Any:
@@ -243,7 +250,14 @@ def slot_transition(
     if c.subnormals == "flush" or (c.subnormals == "flush_window" and window):
         m = ops.flush(m)
 
-    new_scale, new_inv = _stored(c, _scale_rule(c, m, slot.scale, fp8_max, ops), ops)
+    old_scale, old_inv = slot.scale, slot.scale_inv
+    if c.warmup == "window":
+        # MS-AMP's cast in the warm-up already replaced the scale by the in-time one (from this
+        # same amax) before the optimizer's update, which falls back to it
+        early, early_inv = _stored(c, _scale_rule(c, a, slot.scale, fp8_max, ops, margin=0), ops)
+        warm = in_warmup(c, slot.filled, ops)
+        old_scale, old_inv = ops.where(warm, early, old_scale), ops.where(warm, early_inv, old_inv)
+    new_scale, new_inv = _stored(c, _scale_rule(c, m, old_scale, fp8_max, ops), ops)
 
     if c.amax_algo == "current" or c.timing == "before_write":
         updated = record
@@ -255,8 +269,8 @@ def slot_transition(
         # MS-AMP: amax_counters += 1, then amax_counters[mask_inf_nan] = 0
         filled = ops.where(ops.logical_and(write, nonfinite_a), ops.int32(0), filled)
     next_slot = Fp8Slot(
-        scale=ops.where(updated, new_scale, slot.scale),
-        scale_inv=ops.where(updated, new_inv, slot.scale_inv),
+        scale=ops.where(updated, new_scale, old_scale),
+        scale_inv=ops.where(updated, new_inv, old_inv),
         history=history,
         filled=filled,
         zero_amax=ops.saturating_add(slot.zero_amax, zero_a),
