@@ -27,8 +27,16 @@ import numpy as np
 
 from ampscale._config import FLOAT32_TINY, INT32_MAX
 from ampscale.fp8 import _exact
+from ampscale.fp8._config import FORMATS
 
-__all__ = ["Fp8ArrayOps", "floor_log2_thresholds", "framework_of", "make_ops", "subnormal_floor_log2_thresholds"]
+__all__ = [
+    "Fp8ArrayOps",
+    "ceil_log2_thresholds",
+    "floor_log2_thresholds",
+    "framework_of",
+    "make_ops",
+    "subnormal_floor_log2_thresholds",
+]
 
 #: 0xFF800000 as an int32: sign and exponent bits of a float32
 _MASK = -8388608
@@ -88,6 +96,34 @@ def subnormal_floor_log2_thresholds() -> tuple[int, ...]:
                 low = middle + 1
         table.append(low)
     return tuple(table)
+
+
+@functools.lru_cache(maxsize=1)
+def ceil_log2_thresholds() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``ceil(log2(x))`` with a float32 ``log2`` (torchao's MX ``RCEIL`` on the CPU): for each
+    biased exponent ``E`` of a normal ``x``, the smallest nonzero mantissa whose float32 ``log2``
+    lies above ``E - 127`` (just above a power of two it rounds down onto the integer, and the
+    ceiling stays there); then the same for subnormals, by the leading bit ``j`` of the fraction
+    (base ``j - 149``). ``2**23`` (resp. ``2**(j+1)``) when none does."""
+
+    def first_above(low: int, high: int, value_of: Any, target: float) -> int:
+        while low < high:
+            middle = (low + high) // 2
+            if float(np.float32(math.log2(value_of(middle)))) > target:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    normal = []
+    for biased in range(256):
+        if not 1 <= biased <= 254:
+            normal.append(1 << 23)
+            continue
+        base = 2.0 ** (biased - 127)
+        normal.append(first_above(1, 1 << 23, lambda m, base=base: base * (1 + m / 2**23), biased - 127))
+    subnormal = [first_above((1 << j) + 1, 1 << (j + 1), lambda f: f * 2.0**-149, j - 149) for j in range(23)]
+    return tuple(normal), tuple(subnormal)
 
 
 def framework_of(array: Any) -> str:
@@ -294,11 +330,17 @@ class Fp8ArrayOps:
         """
         xp = self.xp
         floor32 = self.f32(float32_ceiling(eps))
-        at_floor = self.array([_narrow(m / eps) for m in self.slot_max], "float32")
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             quotient = numerator / denominator
         below = denominator < floor32
-        return xp.where(below, at_floor, quotient)
+        return xp.where(below, self._at_floor(numerator, eps), quotient)
+
+    def _at_floor(self, numerator: Any, eps: float) -> Any:
+        """``float32(fp8_max / eps)`` for each ``numerator``, one of the formats' maxima."""
+        out = self.f32(math.nan)
+        for bound in sorted(set(FORMATS.values())):
+            out = self.where(numerator == self.f32(bound), self.f32(_narrow(bound / eps)), out)
+        return out
 
     def pow2_mask(self, x: Any) -> Any:
         """TE's power-of-two scale: the float32's mantissa bits cleared."""
@@ -345,6 +387,22 @@ class Fp8ArrayOps:
         value = xp.where(magnitude == 0x7F800000, self.f32(math.inf), value)
         bad = (magnitude > 0x7F800000) | ((bits < 0) & (magnitude != 0))
         return xp.where(bad, self.f32(math.nan), value)
+
+    def ceil_log2(self, x: Any) -> Any:
+        """``ceil(log2(x))`` as int32 with torch's float32 ``log2``, for finite ``x > 0`` (others:
+        0; the caller handles them)."""
+        xp = self.xp
+        bits = self._bits(x)
+        magnitude = bits & 0x7FFFFFFF
+        biased = magnitude >> 23
+        mantissa = bits & 0x7FFFFF
+        normal_table, subnormal_table = ceil_log2_thresholds()
+        up = self._to_int((mantissa > 0) & (mantissa >= self._take(list(normal_table), biased)))
+        lead = xp.zeros_like(mantissa)
+        for j in range(1, 23):
+            lead = lead + self._to_int(mantissa >= (1 << j))
+        subnormal_up = self._to_int(mantissa >= self._take(list(subnormal_table), lead))
+        return xp.where(biased == 0, lead - 149 + subnormal_up, biased - 127 + up)
 
     def exp2_abs(self, e: Any) -> Any:
         """``round(pow(2, |e|))`` in float32 for integral ``e`` (MS-AMP): inf past 2**127, nan kept."""
@@ -481,7 +539,7 @@ class _JaxBitsOps(Fp8ArrayOps):
 
     def div_wide(self, numerator: Any, denominator: Any, eps: float) -> Any:
         floor32 = self.f32(float32_ceiling(eps))
-        at_floor = self.enter(self.array([_narrow(m / eps) for m in self.slot_max], "float32"))
+        at_floor = self._at_floor(numerator, eps)
         return self.xp.where(self.less(denominator, floor32), at_floor, self.div(numerator, denominator))
 
     def exp2_abs(self, e: Any) -> Any:
