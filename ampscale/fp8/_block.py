@@ -47,6 +47,7 @@ from ampscale.fp8._cast import (
     _bits32,
     _check_fmt,
     _clip,
+    _divide,
     _float32,
     _namespace,
     _round_to,
@@ -308,7 +309,7 @@ def _torchao_bits(blocks: Any, bound: float, target_pow2: int, mantissa_bits: in
     # scale = 2**(biased - 127) as float32 bits, floored at the smallest normal (torchao keeps
     # 2**-127 out, as Triton flushes it); 255 reads as inf, and x / inf is 0 (nan for nan)
     scale = _from_bits(xp.where(biased == 0, 1 << 23, biased << 23), framework)
-    return blocks / scale[..., None], biased
+    return _divide(blocks, scale[..., None], framework), biased
 
 
 def _torchao_rceil(blocks: Any, bound: float, framework: str, ops: Any) -> Any:
