@@ -258,3 +258,26 @@ def test_msamp_in_its_warm_up_keeps_the_in_time_scale_of_a_skipped_step():
     assert int(skipped.state.filled[0]) == 1
     warm = fp8.create_fp8_scaler("msamp", {"x": "forward"}, history_len=1).update(np.float32([1.0]))
     assert warm.update(np.float32([3.0]), step_ok=False).scales_sync() == {"x": 128.0}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_donated_updates_write_one_value_per_slot_into_the_same_buffer(backend):
+    """``update(donate=True)`` gives the same state as the pure update, and writes the ring in
+    place: the history buffer is the old one, and only the slots' head positions changed."""
+    torch = pytest.importorskip("torch") if backend == "torch" else None
+    pure = fp8.create_fp8_scaler("te_delayed", SLOTS, backend=backend, history_len=8)
+    donated = fp8.create_fp8_scaler("te_delayed", SLOTS, backend=backend, history_len=8)
+    rng = np.random.default_rng(5)
+    for t in range(20):
+        amax = np.where(rng.random(3) < 0.3, 0.0, rng.uniform(0.1, 10, 3)).astype(np.float32)
+        vector = torch.from_numpy(amax) if torch else amax
+        before = np.array(host([donated.state.history])[0])
+        buffer = donated.state.history
+        heads = np.asarray(host([donated.state.head])[0]).copy()
+        pure = pure.update(vector)
+        donated = donated.update(vector, donate=True)
+        assert donated.state.history is buffer, f"step {t}: a new history buffer"
+        after = np.asarray(host([donated.state.history])[0])
+        changed = np.argwhere(after.view(np.uint32) != before.view(np.uint32))
+        assert all(column == heads[row] for row, column in changed), f"step {t}: wrote {changed} (heads {heads})"
+        assert_same(donated.state, pure.state, f"step {t}")

@@ -151,7 +151,7 @@ def exact_div_bits(a_bits: Any, b_bits: Any, lax: Any, xp: Any) -> Any:
         return (quotient << 1) | bit.astype(xp.int32), remainder
 
     # 26 quotient bits (leading bit 25) by restoring division; the remainder is the sticky bit
-    quotient, remainder = lax.fori_loop(0, 26, one_bit, (xp.zeros_like(remainder), remainder))
+    quotient, remainder = lax.fori_loop(0, 26, one_bit, (xp.zeros_like(remainder), remainder), unroll=True)
     bits = _pack(sign, exponent, quotient, remainder != 0, xp)
     bits = xp.where(a_zero | b_inf, _signed(sign, 0, xp), bits)
     bits = xp.where(a_inf | b_zero, _signed(sign, _INF_BITS, xp), bits)
