@@ -32,8 +32,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale._ops",
             "ampscale._state_dict",
+            "ampscale.fp8._exact",
             "ampscale.fp8._ops",
             "ampscale.fp8._cast",
+            "ampscale.fp8._block",
             "ampscale.fp8._amax",
             "ampscale.fp8._codegen",
             "ampscale.fp8._update",

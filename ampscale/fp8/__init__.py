@@ -19,7 +19,16 @@ Megatron-Core) a named setting; casts saturate in each framework's own operation
 from __future__ import annotations
 
 from ampscale.fp8._amax import combine_amax
-from ampscale.fp8._cast import dequantize, fp8_dtype, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._block import dequantize_block, dequantize_mx, quantize_block, quantize_mx
+from ampscale.fp8._cast import (
+    dequantize,
+    e8m0_decode,
+    e8m0_encode,
+    fp8_dtype,
+    quantize,
+    quantize_dequantize,
+    tensor_amax,
+)
 from ampscale.fp8._combined import Fp8Step, unscale_and_update
 from ampscale.fp8._config import FORMATS, FP8_PRESETS, Fp8Config, Fp8Preset, make_fp8_config
 from ampscale.fp8._distributed import reduce_amax
@@ -39,11 +48,17 @@ __all__ = [
     "combine_amax",
     "create_fp8_scaler",
     "dequantize",
+    "dequantize_block",
+    "dequantize_mx",
+    "e8m0_decode",
+    "e8m0_encode",
     "fp8_dtype",
     "init_state",
     "make_fp8_config",
     "quantize",
+    "quantize_block",
     "quantize_dequantize",
+    "quantize_mx",
     "reduce_amax",
     "tensor_amax",
     "unscale_and_update",

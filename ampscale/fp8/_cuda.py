@@ -3,10 +3,12 @@
 The eager path runs the transition as array operations, a few dozen small kernels per update
 on a GPU. Here the transition of one configuration, emitted as C by
 :func:`ampscale.fp8._codegen.c_transition`, is compiled into ``ampscale_fp8_update``: one
-thread per slot reads the slot's fields and history row, runs the slot transition, writes the
-next fields into new arrays (the scaler is functional), and thread 0 counts the step. One
-launch per update, no host read: the step's flag is read on the device (a bool array, or a
-Python bool passed by value).
+thread per slot reads the slot's fields (its ring's ``head`` included) and history row, runs
+the slot transition, writes the next fields into new arrays (the scaler is functional; the
+ring's row is copied and one amax written at its head), and thread 0 counts the step. With
+``donate`` the next fields are the old arrays themselves: one store per written amax, as the
+transition may write its output over its input. One launch per update, no host read: the
+step's flag is read on the device (a bool array, or a Python bool passed by value).
 
 Built like the loss scaler's kernels: by ampscale's own NVRTC call
 (:func:`ampscale._native.cuda.nvrtc.compiled`, cached on disk) with IEEE options
@@ -137,6 +139,12 @@ def grid_for(n: int) -> int:
     return max(1, -(-n // BLOCK))
 
 
+def with_head(state: Fp8State, zeros: Any) -> Fp8State:
+    """``state`` with its ring's head: a state built in canonical order (``head=None``) starts
+    at position 0 of every row; ``zeros(n)`` makes the int32 zeros on the state's device."""
+    return state if state.head is not None else state._replace(head=zeros(state.scale.shape[0]))
+
+
 def launch_arguments(
     state: Fp8State, nxt: Fp8State, amax: int, fp8_max: int, flag: tuple[int, int], updated: int, n: int
 ) -> list[int]:
@@ -193,8 +201,11 @@ def _cupy_fp8_max(config: Fp8Config, device_id: int) -> Any:
         return cupy.asarray(np.asarray(config.slot_max, np.float32))  # one copy, at the first update
 
 
-def update_cupy(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> tuple[Fp8State, Any] | None:
-    """The update of a CuPy state in one launch; ``None`` where the kernel is not available."""
+def update_cupy(
+    config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any, donate: bool = False
+) -> tuple[Fp8State, Any] | None:
+    """The update of a CuPy state in one launch; ``None`` where the kernel is not available.
+    ``donate``: write the next state over ``state``'s arrays."""
     cupy = sys.modules["cupy"]
     device_id = state.scale.data.device_id
     function = _cupy_function(config, device_id)
@@ -210,7 +221,8 @@ def update_cupy(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> 
             amax = cupy.asarray(amax)  # a copy between devices, queued
         if not amax.flags.c_contiguous:
             amax = cupy.ascontiguousarray(amax)
-        nxt = Fp8State(*(cupy.empty_like(field) for field in state))
+        state = with_head(state, lambda n: cupy.zeros(n, dtype=cupy.int32))
+        nxt = state if donate else Fp8State(*(cupy.empty_like(field) for field in state))
         updated = cupy.empty(config.size, dtype=cupy.bool_)
         flag_pointer, flag_kind, keep = _cupy_flag(cupy, step_ok, device_id)
         args = [
@@ -300,9 +312,12 @@ def _torch_fp8_max(config: Fp8Config, device: Any) -> Any:
     return torch.tensor(config.slot_max, dtype=torch.float32).to(device)  # once, at the first update
 
 
-def update_torch(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> tuple[Fp8State, Any] | None:
+def update_torch(
+    config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any, donate: bool = False
+) -> tuple[Fp8State, Any] | None:
     """The update of a torch CUDA state in one launch on torch's current stream; ``None``
-    where the kernel is not available."""
+    where the kernel is not available. ``donate``: write the next state over ``state``'s
+    tensors."""
     import torch
 
     from ampscale.backends import torch as torch_backend
@@ -313,7 +328,8 @@ def update_torch(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) ->
         return None
     torch_backend._refuse_capture("the FP8 update")
     amax = amax.to(device=device, dtype=torch.float32).contiguous()
-    nxt = Fp8State(*(torch.empty_like(field) for field in state))
+    state = with_head(state, lambda n: torch.zeros(n, dtype=torch.int32, device=device))
+    nxt = state if donate else Fp8State(*(torch.empty_like(field) for field in state))
     updated = torch.empty(config.size, dtype=torch.bool, device=device)
     keep = None
     if isinstance(step_ok, (bool, np.bool_)):
