@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ampscale.fp8._cast import dequantize, fp8_dtype, quantize, quantize_dequantize, tensor_amax
 from ampscale.fp8._config import FORMATS, FP8_PRESETS, Fp8Config, Fp8Preset, make_fp8_config
+from ampscale.fp8._fused import amax, amax_and_cast
 from ampscale.fp8._scaler import Fp8Scaler, create_fp8_scaler, init_state, update_state
 from ampscale.fp8._state_dict import FP8_FORMAT_VERSION
 from ampscale.fp8._transition import Fp8State
@@ -32,6 +33,8 @@ __all__ = [
     "Fp8Preset",
     "Fp8Scaler",
     "Fp8State",
+    "amax",
+    "amax_and_cast",
     "create_fp8_scaler",
     "dequantize",
     "fp8_dtype",
