@@ -26,8 +26,8 @@ Per framework (one pass, every dtype of the tree together):
   read through torch's DLPack C exchange API. Non-contiguous leaves are copied first (the copy
   is read by the same pass); without the native kernels, or under a torch function or dispatch
   mode, transform or compilation, the same bit arithmetic in the framework's own operations.
-* JAX (under ``jit`` too): an XLA FFI custom call on the CPU (:mod:`ampscale.fp8._fused_jax`),
-  else the same bit arithmetic in ``jnp``.
+* JAX (under ``jit`` too): an XLA FFI custom call on the CPU over the same kernels
+  (:mod:`ampscale.fp8._fused_jax`), else the same bit arithmetic in XLA operations.
 * torch on CUDA and CuPy: the same bit arithmetic in the framework's operations, on the device,
   with no host read.
 """
@@ -343,7 +343,8 @@ def bits_amax_numpy(array: np.ndarray) -> Any:
     elif name == "float32":
         value = np.uint32(top).view(np.float32)
     else:
-        value = np.float32(np.uint64(top).view(np.float64))
+        with np.errstate(over="ignore"):  # past float32's range: inf, as astype gives
+            value = np.float32(np.uint64(top).view(np.float64))
     return np.float32(np.nan) if np.isnan(value) else value  # the canonical quiet NaN
 
 
