@@ -74,14 +74,16 @@ def _flatten(tree: Any) -> tuple[list[Any], Any, str]:
         leaves, spec = jax.tree_util.tree_flatten(tree)
     if not leaves:
         raise ValueError("tree must hold at least one array; got no leaves")
-    frameworks = [framework_of_leaf(leaf) for leaf in leaves]
-    first = frameworks[0]
-    for index, framework in enumerate(frameworks):
-        if framework != first:
-            raise TypeError(
-                f"tree mixes frameworks: leaf [0] is a {first} array, leaf [{index}] a {framework} array "
-                f"({type(leaves[index]).__name__}); give the arrays of one framework"
-            )
+    types = set(map(type, leaves))  # one framework check per type, not per leaf (trees of thousands)
+    first = framework_of_leaf(leaves[0])
+    if len(types) > 1:
+        frameworks = {kind: framework_of_leaf(next(x for x in leaves if type(x) is kind)) for kind in types}
+        for index, leaf in enumerate(leaves):
+            if frameworks[type(leaf)] != first:
+                raise TypeError(
+                    f"tree mixes frameworks: leaf [0] is a {first} array, leaf [{index}] a "
+                    f"{frameworks[type(leaf)]} array ({type(leaf).__name__}); give the arrays of one framework"
+                )
     return leaves, spec, first
 
 
@@ -93,17 +95,31 @@ def framework_of_leaf(leaf: Any) -> str:
         raise TypeError(f"tree leaves must be NumPy, JAX, torch or CuPy arrays; got {type(leaf).__name__}") from None
 
 
+_DTYPE = operator.attrgetter("dtype")
+_kind_of_dtype: dict[Any, int | None] = {}
+
+
+def _kind(dtype: Any) -> int | None:
+    """A dtype's KIND_* code (cached: NumPy's ``dtype.name`` costs microseconds)."""
+    try:
+        return _kind_of_dtype[dtype]
+    except KeyError:
+        name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]  # torch.float32 -> float32
+        kind = _kind_of_dtype[dtype] = KINDS.get(name)
+        return kind
+
+
 def _kinds(leaves: Sequence[Any]) -> list[int]:
     """Each leaf's KIND_* code; ``TypeError`` naming the first leaf of another dtype."""
-    kinds = []
-    for index, leaf in enumerate(leaves):
-        dtype = leaf.dtype
-        name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]  # torch.float32 -> float32
-        kind = KINDS.get(name)
-        if kind is None:
-            raise TypeError(f"leaf [{index}] has dtype {name}; FP8 amaxes are taken of {_ACCEPTED} arrays")
-        kinds.append(kind)
-    return kinds
+    dtypes = list(map(_DTYPE, leaves))
+    codes = {dtype: _kind(dtype) for dtype in set(dtypes)}
+    if None in codes.values():
+        index = next(i for i, d in enumerate(dtypes) if codes[d] is None)
+        name = getattr(dtypes[index], "name", None) or str(dtypes[index]).rsplit(".", 1)[-1]
+        raise TypeError(f"leaf [{index}] has dtype {name}; FP8 amaxes are taken of {_ACCEPTED} arrays")
+    if len(codes) == 1:
+        return [next(iter(codes.values()))] * len(leaves)  # type: ignore[list-item]
+    return [codes[d] for d in dtypes]  # type: ignore[misc]
 
 
 def _check_format(fmt: Any) -> str:
@@ -282,9 +298,6 @@ def _plain(leaves: list[Any]) -> bool:
     if set(map(type, leaves)) != {np.ndarray}:
         return False
     return all(d.isnative and d.name != "bfloat16" for d in set(map(_DTYPE, leaves)))
-
-
-_DTYPE = operator.attrgetter("dtype")
 
 
 def _numpy_amax_cast(
