@@ -112,6 +112,16 @@ def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None
     elif name == "ampscale_update_fields":
         assert grid == 1
         so.ampscale_host_update_fields(*params)
+    elif name == "ampscale_fp8_pass":
+        p, q = ctypes.c_void_p, ctypes.c_longlong
+        so.ampscale_fp8_host_pass.argtypes = [p, q, q, p, p, q, q, p, p, p, p, p, p, ctypes.c_int]
+        so.ampscale_fp8_host_pass.restype = ctypes.c_int
+        table, chunks, payload, scales, slots, options, top, clipped, ticket, amaxes, counts, finite = params
+        assert grid == max(1, chunks)
+        finished = so.ampscale_fp8_host_pass(
+            table, chunks, grid, payload, scales, slots, options, top, clipped, ticket, amaxes, counts, finite, 4
+        )
+        assert finished == grid - 1
     else:  # pragma: no cover
         raise AssertionError(f"unknown kernel {name}")
 

@@ -28,8 +28,9 @@ Per framework (one pass, every dtype of the tree together):
   mode, transform or compilation, the same bit arithmetic in the framework's own operations.
 * JAX (under ``jit`` too): an XLA FFI custom call on the CPU over the same kernels
   (:mod:`ampscale.fp8._fused_jax`), else the same bit arithmetic in XLA operations.
-* torch on CUDA and CuPy: the same bit arithmetic in the framework's operations, on the device,
-  with no host read.
+* torch on CUDA and CuPy: one launch of ampscale's CUDA kernel (:mod:`ampscale.fp8._fused_cuda`;
+  CuPy's payloads are uint8 arrays of the format's bytes: CuPy has no float8 dtype), else the
+  same arithmetic in the framework's own operations, on the device, with no host read.
 """
 
 from __future__ import annotations
@@ -168,8 +169,14 @@ def amax(tree: Any, *, with_finite: bool = False) -> Any:
         amaxes = _fused_jax.amax(leaves)
         finite = _fused_jax.all_finite(amaxes) if with_finite else None
     else:
-        amaxes = _xp_amax(leaves)
-        finite = _xp_of(amaxes).isfinite(amaxes).all() if with_finite else None
+        from ampscale.fp8 import _fused_cuda
+
+        done = _fused_cuda.cupy_amax(leaves, kinds)
+        if done is None:
+            amaxes = _xp_amax(leaves)
+            finite = _xp_of(amaxes).isfinite(amaxes).all() if with_finite else None
+        else:
+            amaxes, finite = done
     return (amaxes, finite) if with_finite else amaxes
 
 
@@ -220,7 +227,10 @@ def amax_and_cast(tree: Any, scales: Any, fmt: str, *, divide: bool = False) -> 
 
         return jax.tree_util.tree_unflatten(spec, payloads), amaxes, clipped
     else:
-        payloads, amaxes, clipped = _xp_amax_cast(leaves, scales, fmt, divide)
+        from ampscale.fp8 import _fused_cuda
+
+        done = _fused_cuda.cupy_amax_cast(leaves, kinds, scales, fmt, divide)
+        payloads, amaxes, clipped = _xp_amax_cast(leaves, scales, fmt, divide) if done is None else done
     return _tree.unflatten(spec, payloads), amaxes, clipped
 
 
@@ -399,16 +409,44 @@ def _xp_amax(leaves: list[Any]) -> Any:
     return xp.stack([_xp_amax_one(x, xp) for x in leaves])
 
 
-def _xp_amax_cast(leaves: list[Any], scales: Any, fmt: str, divide: bool) -> tuple[list[Any], Any, Any]:
-    from ampscale.fp8._cast import quantize
+def xp_encode(product: Any, fmt: str, nan: int, xp: Any) -> tuple[Any, Any]:
+    """The kernels' FP8 encoder in ``xp``'s array operations (for CuPy, which has no float8
+    dtype): float32 ``product`` -> ``(uint8 bytes, clipped mask)``. Integer arithmetic only."""
+    mbits, bias = {"e4m3fn": (3, 7), "e5m2": (2, 15), "e4m3fnuz": (3, 8), "e5m2fnuz": (2, 16)}[fmt]
+    max_bits = int(np.float32(FORMATS[fmt]).view(np.uint32))
+    fnuz = fmt.endswith("fnuz")
+    u = product.astype(xp.float32).view(xp.uint32)
+    sign = (u >> 24) & xp.uint32(0x80)
+    a = u & xp.uint32(0x7FFFFFFF)
+    is_nan = a > xp.uint32(0x7F800000)
+    clipped = (a > xp.uint32(max_bits)) & ~is_nan
+    a = xp.where(clipped, xp.uint32(max_bits), a)
+    rounded = a + xp.uint32((1 << (22 - mbits)) - 1) + ((a >> (23 - mbits)) & xp.uint32(1))
+    normal = (rounded >> (23 - mbits)) - xp.uint32((127 - bias) << mbits)
+    exponent = a >> 23
+    mantissa = (a & xp.uint32(0x7FFFFF)) | xp.uint32(0x800000)
+    shift = xp.clip(xp.int32(151 - bias - mbits) - exponent.astype(xp.int32), 1, 31).astype(xp.uint32)
+    q = mantissa >> shift
+    rest = mantissa & ((xp.uint32(1) << shift) - xp.uint32(1))
+    half = xp.uint32(1) << (shift - xp.uint32(1))
+    q = q + ((rest > half) | ((rest == half) & ((q & xp.uint32(1)) == 1))).astype(xp.uint32)
+    magnitude = xp.where(exponent >= xp.uint32(128 - bias), normal, q)
+    code = sign | magnitude
+    if fnuz:
+        code = xp.where(magnitude == 0, xp.uint32(0), code)
+    code = xp.where(is_nan, xp.uint32(nan) if fnuz else sign | xp.uint32(nan), code)
+    return code.astype(xp.uint8), clipped
 
+
+def _xp_amax_cast(leaves: list[Any], scales: Any, fmt: str, divide: bool) -> tuple[list[Any], Any, Any]:
     xp = _xp_of(leaves[0])
     check_scales(scales, len(leaves), framework_of(leaves[0]))
-    bound = np.float32(FORMATS[fmt])
     payloads, counts = [], []
     for k, x in enumerate(leaves):
-        payloads.append(quantize(x, scales[k], fmt, divide=divide))
         wide = x.astype(xp.float32)
-        product = wide / scales[k] if divide else wide * scales[k]
-        counts.append((xp.abs(product) > bound).sum())
+        with np.errstate(all="ignore"):
+            product = wide / scales[k] if divide else wide * scales[k]
+        code, clipped = xp_encode(product, fmt, nan_byte(fmt, "cupy"), xp)
+        payloads.append(code)
+        counts.append(clipped.sum())
     return payloads, _xp_amax(leaves), xp.stack(counts).astype(xp.int64)

@@ -2,9 +2,10 @@
 
 CPU tensors go through the native kernels, read through torch's DLPack C exchange API as the
 loss scaler's gradients are (``ampscale.backends.torch``): no copy, no Python object per tensor.
-Non-contiguous tensors and tensors that require grad are detached and made contiguous first.
-Wherever the kernels cannot run (CUDA tensors for now, no native build, a torch function or
-dispatch mode, a functorch transform, compilation, tensor subclasses, meta tensors), the same
+Non-contiguous tensors and tensors that require grad are detached and made contiguous first. CUDA
+tensors go through ampscale's one-launch kernel (:mod:`ampscale.fp8._fused_cuda`). Wherever
+neither can run (no native build, no CUDA driver or NVRTC, a torch function or dispatch mode, a
+functorch transform, compilation, CUDA graph capture, tensor subclasses, meta tensors), the same
 bit arithmetic runs as torch operations, which every such mode sees and traces.
 """
 
@@ -41,6 +42,11 @@ def _device(leaves: list[torch.Tensor]) -> torch.device:
     return first
 
 
+def _kernel_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the CUDA kernel (tests send CPU tensors down it)."""
+    return bool(device.type == "cuda")
+
+
 def _as_readable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Detached, contiguous tensors (a copy of the non-contiguous ones), as the kernels read them."""
     return [t.detach().contiguous() for t in leaves]
@@ -49,7 +55,13 @@ def _as_readable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 def amax(leaves: list[torch.Tensor], kinds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(amaxes, finite)`` of torch ``leaves``."""
     device = _device(leaves)
-    if device.type == "cpu" and torch_backend._native_ready():
+    if _kernel_path(device):
+        from ampscale.fp8 import _fused_cuda
+
+        done = _fused_cuda.torch_amax(leaves, kinds, device)
+        if done is not None:
+            return done
+    elif device.type == "cpu" and torch_backend._native_ready():
         out = np.empty(len(leaves), np.float32)
         native = torch_backend._native
         finite = native.fp8_amax_tensors(
@@ -92,7 +104,13 @@ def amax_cast(
     if scales.device != device:
         raise ValueError(f"scales must be on the leaves' device {device}; got {scales.device}")
     dtype = fp8_dtype(fmt, "torch")
-    if device.type == "cpu" and torch_backend._native_ready():
+    if _kernel_path(device):
+        from ampscale.fp8 import _fused_cuda
+
+        done = _fused_cuda.torch_amax_cast(leaves, kinds, scales, fmt, divide, device)
+        if done is not None:
+            return done
+    elif device.type == "cpu" and torch_backend._native_ready():
         readable = _as_readable(leaves)
         outs = [torch.empty(t.shape, dtype=torch.uint8) for t in readable]
         amaxes = np.empty(len(leaves), np.float32)

@@ -1,0 +1,121 @@
+"""The host side of the CUDA FP8 pass that needs no GPU: the module source, the options, the table.
+
+The kernels are ``fp8_kernels.cu``, appended to ``kernels.cu`` (whose conversions they use) after
+the default loss-scaler configuration's transition (which ``kernels.cu`` needs and the FP8 pass
+does not use). :func:`module_source` with an FP8 configuration also emits that configuration's
+FP8 transition and compiles ``ampscale_fp8_pass_step``, which runs it in the pass's last block.
+The table layout matches ``struct AmpscaleFp8Chunk``. Framework-free: tested on any machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ampscale._native.cuda import _plan
+
+if TYPE_CHECKING:
+    from ampscale.fp8._config import Fp8Config
+
+__all__ = [
+    "CAST",
+    "CHUNK",
+    "CHUNK_DTYPE",
+    "DIVIDE",
+    "FUNCTIONS",
+    "THREADS",
+    "chunk_table",
+    "kernel_source",
+    "module_source",
+    "options",
+    "payload_offsets",
+]
+
+_SOURCE = pathlib.Path(__file__).with_name("fp8_kernels.cu")
+#: the layout of ``struct AmpscaleFp8Chunk``: 5 x 8 bytes
+CHUNK_DTYPE = np.dtype([("data", "<u8"), ("out", "<u8"), ("start", "<i8"), ("length", "<i8"), ("meta", "<i8")])
+#: the kernels of every module; ``ampscale_fp8_pass_step`` too in a module made for an FP8 configuration
+FUNCTIONS = ("ampscale_fp8_pass",)
+
+
+def kernel_source() -> str:
+    """``fp8_kernels.cu``."""
+    return _SOURCE.read_text()
+
+
+def _defined(name: str) -> int:
+    match = re.search(rf"^#define {name} (\d+)", kernel_source(), re.MULTILINE)
+    assert match is not None, name
+    return int(match.group(1))
+
+
+#: threads per block, elements per row of the table, and the options' bits
+THREADS, CHUNK = _defined("AMPSCALE_FP8_THREADS"), _defined("AMPSCALE_FP8_CHUNK")
+CAST, DIVIDE = _defined("AMPSCALE_FP8_CAST"), _defined("AMPSCALE_FP8_DIVIDE")
+_FORMAT_SHIFT, _NAN_SHIFT = _defined("AMPSCALE_FP8_FORMAT_SHIFT"), _defined("AMPSCALE_FP8_NAN_SHIFT")
+
+
+@functools.lru_cache(maxsize=8)
+def module_source(config: Fp8Config | None = None) -> str:
+    """The whole NVRTC source: ``kernels.cu`` (with the default loss-scaler transition it
+    needs), then, for an FP8 ``config``, its emitted transition, then ``fp8_kernels.cu``."""
+    from ampscale._config import make_config
+
+    parts = [_plan.module_source(make_config())]
+    if config is not None:
+        from ampscale.fp8._codegen import FP8_C_PRELUDE, c_transition
+
+        parts += [
+            FP8_C_PRELUDE,
+            c_transition(config),
+            "#define AMPSCALE_FP8_TRANSITION 1",
+            f"#define AMPSCALE_FP8_HISTORY {config.history_len}LL",
+        ]
+    return "\n".join([*parts, kernel_source()])
+
+
+def options(fmt_code: int | None, divide: bool = False, nan_byte: int = 0) -> int:
+    """The ``options`` argument: amax only (``fmt_code`` ``None``), or a cast to that format."""
+    if fmt_code is None:
+        return 0
+    return CAST | (DIVIDE if divide else 0) | (fmt_code << _FORMAT_SHIFT) | (nan_byte << _NAN_SHIFT)
+
+
+def payload_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each tensor's payload offset in one buffer (16-byte aligned, so the kernel's word stores
+    stay aligned), and the buffer's size in bytes."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += (int(size) + 15) // 16 * 16
+    return offsets, total
+
+
+def chunk_table(
+    addresses: Sequence[int], outs: Sequence[int], sizes: Sequence[int], kinds: Sequence[int], chunk: int = CHUNK
+) -> np.ndarray:
+    """One row per chunk of at most ``chunk`` elements of every tensor, in order; tensor ``i``'s
+    rows carry slot ``i`` and ``outs[i]``, its payload's byte offset in the launch's payload
+    buffer (empty tensors get no row, their slot still gets its amax, 0).
+
+    Raises:
+        ValueError: the sequences differ in length, or a size or kind is invalid.
+    """
+    if not (len(addresses) == len(outs) == len(sizes) == len(kinds)):
+        given = f"{len(addresses)}, {len(outs)}, {len(sizes)}, {len(kinds)}"
+        raise ValueError(f"addresses, outs, sizes and kinds must have one entry per tensor; got {given}")
+    rows = _plan.chunk_table(addresses, sizes, kinds, chunk)
+    counts = (np.asarray(sizes, dtype=np.int64) + chunk - 1) // chunk
+    slot = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+    table = np.empty(rows.size, dtype=CHUNK_DTYPE)
+    table["data"] = rows["data"]
+    table["out"] = np.asarray(outs, dtype=np.uint64)[slot] if rows.size else []
+    table["start"] = rows["start"]
+    table["length"] = rows["length"]
+    table["meta"] = (slot << 8) | rows["kind"]
+    return table
