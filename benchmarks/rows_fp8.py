@@ -21,12 +21,23 @@ Rows are compared within their group, each with its own anchor on the same data:
 * **flax**: ``fp8.amax`` + ``Fp8Scaler.update`` with the ``flax`` preset (history of 1024),
   one jitted call, against flax's ``fp8_ops.update_fp8_meta`` for every tensor in one jitted
   call (its history of 1024 rolled per tensor).
+
+On a GPU (torch CUDA, CuPy; ``--gpu-only`` keeps only these), timed with CUDA events:
+
+* **cast**: ``fp8.amax_and_cast`` to E4M3FN (one launch: every amax, payload and count) against
+  a plain device copy of the same input bytes (``copy_``), the bound a pass that reads every
+  byte and writes something cannot beat by much; its GB/s count the bytes read and the payload
+  bytes written;
+* **amax**: ``fp8.amax`` against ``torch._foreach_norm(ord=inf)``.
+
+Launches per step are counted by the profiler (1 for each ampscale row).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -206,12 +217,154 @@ def jax_cases(workload: str, arrays: list[np.ndarray]) -> list[Case]:
     return cases
 
 
+def _event_timed(fn: Any, events: tuple[Any, Any], reps: int = 5) -> Any:
+    """A step that runs ``fn`` ``reps`` times between two CUDA events: seconds per run."""
+
+    def step(i: int) -> float:
+        events[0].record()
+        for _ in range(reps):
+            fn()
+        events[1].record()
+        events[1].synchronize()
+        return float(events[0].elapsed_time(events[1])) / 1e3 / reps
+
+    return step
+
+
+def _launches(fn: Any) -> Any:
+    """Kernels, memsets and copies of one call of ``fn``, counted by torch's profiler."""
+
+    def count() -> float:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return float(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+
+    return count
+
+
+def gpu_cases(workload: str, arrays: list[np.ndarray]) -> list[Case]:
+    """The GPU rows (torch CUDA, and CuPy when installed), on a copy of the data on the device."""
+    out: list[Case] = []
+    read = nbytes(arrays)
+    elements = sum(a.size for a in arrays)
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            tensors = [torch.from_numpy(a).cuda() for a in arrays]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            target = torch.empty_like(flat)
+            scales = torch.full((len(tensors),), 2.0, device="cuda")
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            sync = torch.cuda.synchronize
+            out += [
+                Case(
+                    "fp8-gpu",
+                    workload,
+                    "ampscale fp8.amax_and_cast e4m3fn, torch CUDA",
+                    _event_timed(lambda: fp8.amax_and_cast(tensors, scales, "e4m3fn"), events),
+                    read + elements,
+                    device="gpu",
+                    group="cast",
+                    timed=True,
+                    sync=sync,
+                    launches_of=_launches(lambda: fp8.amax_and_cast(tensors, scales, "e4m3fn")),
+                    note="CUDA events; GB/s: read + payload written",
+                ),
+                Case(
+                    "fp8-gpu",
+                    workload,
+                    "device copy of the same bytes (copy_)",
+                    _event_timed(lambda: target.copy_(flat), events),
+                    2 * read,
+                    anchor=True,
+                    device="gpu",
+                    group="cast",
+                    timed=True,
+                    sync=sync,
+                    launches_of=_launches(lambda: target.copy_(flat)),
+                    note="CUDA events",
+                ),
+                Case(
+                    "fp8-gpu",
+                    workload,
+                    "ampscale fp8.amax, torch CUDA",
+                    _event_timed(lambda: fp8.amax(tensors), events),
+                    read,
+                    device="gpu",
+                    group="amax",
+                    timed=True,
+                    sync=sync,
+                    launches_of=_launches(lambda: fp8.amax(tensors)),
+                    note="CUDA events",
+                ),
+                Case(
+                    "fp8-gpu",
+                    workload,
+                    "torch._foreach_norm(inf), CUDA",
+                    _event_timed(lambda: torch._foreach_norm(tensors, ord=math.inf), events),
+                    read,
+                    anchor=True,
+                    device="gpu",
+                    group="amax",
+                    timed=True,
+                    sync=sync,
+                    launches_of=_launches(lambda: torch._foreach_norm(tensors, ord=math.inf)),
+                    note="CUDA events",
+                ),
+            ]
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+
+        try:
+            have_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            have_gpu = False
+        if have_gpu:
+            device_arrays = [cupy.asarray(a) for a in arrays]
+            cupy_scales = cupy.full((len(arrays),), 2.0, dtype=cupy.float32)
+            cupy_events = (cupy.cuda.Event(), cupy.cuda.Event())
+
+            def cupy_step(i: int) -> float:
+                cupy_events[0].record()
+                for _ in range(5):
+                    fp8.amax_and_cast(device_arrays, cupy_scales, "e4m3fn")
+                cupy_events[1].record()
+                cupy_events[1].synchronize()
+                return float(cupy.cuda.get_elapsed_time(cupy_events[0], cupy_events[1])) / 1e3 / 5
+
+            out.append(
+                Case(
+                    "fp8-gpu",
+                    workload,
+                    "ampscale fp8.amax_and_cast e4m3fn, CuPy",
+                    cupy_step,
+                    read + elements,
+                    device="gpu",
+                    group="cast",
+                    timed=True,
+                    sync=cupy.cuda.get_current_stream().synchronize,
+                    note="CUDA events; GB/s: read + payload written",
+                    launches_of=_launches(lambda: fp8.amax_and_cast(device_arrays, cupy_scales, "e4m3fn")),
+                )
+            )
+    return out
+
+
 def cases(workload: str) -> list[Case]:
     """Every installed framework's FP8 rows for ``workload`` (``FP8-W1`` or ``FP8-W2``)."""
     arrays = make_arrays(workload)
+    if os.environ.get("AMPSCALE_BENCH_GPU_ONLY"):
+        return gpu_cases(workload, arrays)
     out = numpy_cases(workload, arrays)
     if importlib.util.find_spec("torch") is not None:
         out += torch_cases(workload, arrays)
     if importlib.util.find_spec("jax") is not None:
         out += jax_cases(workload, arrays)
-    return out
+    return out + gpu_cases(workload, arrays)

@@ -14,10 +14,11 @@ and no stage runs past the deadline):
    so a broken one is caught here, with one line);
 5. ``preflight``: versions, whether the one-launch CUDA step and the JAX CUDA custom call load;
 6. ``gpu-tests``: the tests marked ``gpu`` (one-launch CUDA step, CuPy, torch CUDA, the drop-in
-   on CUDA, the shared contract tests on the GPU frameworks), each test under a limit well
+   on CUDA, the fused FP8 pass, the shared contract tests on the GPU frameworks), each test under a limit well
    below the stage's;
 7. ``bench``: the GPU benchmark (``benchmarks/run.py --gpu-only``: torch CUDA, CuPy, the
-   drop-in's ``update()``), and the issue's targets read from it;
+   drop-in's ``update()``, the FP8 pass on W1: amax + cast against a copy of the same bytes),
+   and the issues' targets read from it;
 8. ``jax-tests``, 9. ``jax-bench``: JAX on the GPU (the CUDA custom call against XLA:GPU, and
    W1 beside torch's fused kernel, and W2);
 10. ``report``: the targets.
@@ -89,6 +90,7 @@ GPU_TEST_FILES = (
     "tests/test_examples.py",
     "tests/test_docs.py",
     "tests/test_in_place.py",
+    "tests/test_fp8_fused_gpu.py",
 )
 JAX_TEST_FILES = ("tests/test_jax_cuda_gpu.py", "tests/test_scaler.py", "tests/test_overflow_detection.py")
 
@@ -110,7 +112,7 @@ STAGES = (
     Stage("build", 60, False, "setup.py build_ext --inplace, then import the built extensions"),
     Stage("preflight", 25, False, "versions; whether the one-launch CUDA step and the JAX custom call load"),
     Stage("gpu-tests", 120, True, "pytest -m gpu: CUDA step, CuPy, torch CUDA, drop-in, contract tests"),
-    Stage("bench", 55, True, "benchmarks/run.py --gpu-only (torch CUDA, CuPy, the drop-in's update)"),
+    Stage("bench", 60, True, "benchmarks/run.py --gpu-only (torch CUDA, CuPy, the drop-in's update, FP8 W1)"),
     Stage("jax-tests", 50, True, "JAX on the GPU: the CUDA custom call against XLA:GPU, contract tests"),
     Stage("jax-bench", 35, True, "JAX GPU benchmark: W1 beside torch's fused kernel, and W2"),
     Stage("report", 10, False, "the targets, read from the benchmark rows"),
@@ -347,6 +349,17 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{j1['seconds'] / f1['seconds']:.2f}x",
             j1["seconds"] <= 1.2 * f1["seconds"],
         )
+    cast, copy = (
+        row("fp8-gpu", "FP8-W1", "ampscale fp8.amax_and_cast e4m3fn, torch CUDA"),
+        row("fp8-gpu", "FP8-W1", "device copy of the same bytes (copy_)"),
+    )
+    if cast and copy:
+        check(
+            "FP8 amax + cast of W1 within 1.1x of a copy of the same bytes (torch CUDA)",
+            f"{cast['seconds'] / copy['seconds']:.2f}x",
+            cast["seconds"] <= 1.1 * copy["seconds"],
+        )
+        check("FP8 amax + cast launches per step = 1", cast["launches"], cast["launches"] == 1)
     j2 = row("jax-gpu", "W2", jax_step)
     if j2:
         check(
@@ -536,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 6, 7: torch CUDA and CuPy
     pytest_stage("gpu-tests", GPU_TEST_FILES, ["-m", "gpu"])
-    bench_stage("bench", "cupy,torch", "W0,W1,W1h,W2,N")
+    bench_stage("bench", "cupy,torch,fp8", "W0,W1,W1h,W2,N,FP8-W1")
     # 8, 9: JAX on the GPU
     if not gpu_reason and facts.get("jax_backend") != "gpu":
         gpu_reason = f"JAX's default backend is {facts.get('jax_backend')!r}, not the GPU"
