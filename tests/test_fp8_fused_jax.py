@@ -194,3 +194,170 @@ def test_bad_scales_are_refused_before_tracing_anything() -> None:
         fp8.amax_and_cast([jnp.ones(3)], jnp.ones(1, jnp.bfloat16), "e4m3fn")
     with pytest.raises(TypeError, match="leaf \\[0\\] has dtype int32"):
         fp8.amax([jnp.ones(3, jnp.int32)])
+
+
+# ------------------------------------------------------------------------------ the CUDA handler, without a GPU
+
+
+def test_the_library_holds_the_fp8_cuda_handlers() -> None:
+    import ctypes
+
+    from ampscale._native import ffi_build
+
+    library = ctypes.CDLL(_jax_custom_call.status().library)
+    for name in ("ampscale_fp8_amax_v1_cuda", "ampscale_fp8_amax_cast_v1_cuda", "ampscale_ffi_fp8_cuda_bind"):
+        assert getattr(library, name, None) is not None, name
+    assert "cuda/jax_ffi_fp8_cuda.cc" in ffi_build.UNITS
+    assert "cuda/fp8_kernels.cu" in ffi_build.SOURCES  # a layout change rebuilds the handlers
+
+
+class FakeFp8Driver:
+    """``libcuda.so.1`` for the FP8 handlers, on the CPU: the launches run the kernel's host build
+    (``ampscale_fp8_jax_host_pass``), the memsets write zeros. Function handle 9 is the kernel."""
+
+    CONTEXT = 0x5150
+
+    def __init__(self) -> None:
+        import ctypes
+
+        from ampscale._native.cuda import _fp8
+        from tests.fake_cuda import harness_for_source
+
+        self.harness = harness_for_source(_fp8.module_source())
+        p, q = ctypes.c_void_p, ctypes.c_longlong
+        self.harness.ampscale_fp8_jax_host_pass.argtypes = [p, q, p, q, p, p, ctypes.c_int]
+        self.calls: list[tuple[Any, ...]] = []
+        voidp, uint = ctypes.c_void_p, ctypes.c_uint
+        self.cuLaunchKernel = ctypes.CFUNCTYPE(
+            ctypes.c_int, voidp, uint, uint, uint, uint, uint, uint, uint, voidp, ctypes.POINTER(voidp), voidp
+        )(self._launch)
+        self.cuMemsetD32Async = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_ulonglong, uint, ctypes.c_size_t, voidp)(
+            self._memset
+        )
+        self.cuCtxGetCurrent = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(voidp))(self._get)
+        self.cuCtxPushCurrent_v2 = ctypes.CFUNCTYPE(ctypes.c_int, voidp)(lambda c: 0)
+        self.cuCtxPopCurrent_v2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(voidp))(lambda c: 0)
+        self.cuGetErrorString = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))(
+            lambda r, out: 0
+        )
+
+    def _launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+        import ctypes
+
+        self.calls.append(("launch", function, gx, bx, stream))
+        pointer = ctypes.c_void_p.from_address
+        scales, amaxes, clipped = (pointer(params[k]).value for k in (1, 3, 4))
+        options = ctypes.c_longlong.from_address(params[2]).value
+        self.harness.ampscale_fp8_jax_host_pass(params[0], gx, scales, options, amaxes, clipped, 7)
+        return 0
+
+    def _memset(self, target, value, count, stream) -> int:
+        import ctypes
+
+        self.calls.append(("memset", count, stream))
+        ctypes.memset(target, 0, 4 * count)
+        assert value == 0
+        return 0
+
+    def _get(self, out) -> int:
+        out[0] = self.CONTEXT
+        return 0
+
+
+def _run_fp8_handler(library: Any, arrays: list[np.ndarray], fmt: str | None, scales: np.ndarray | None) -> Any:
+    import ctypes
+
+    n = len(arrays)
+    outs = [np.full(a.size, 0xAA, np.uint8) for a in arrays]
+    amaxes = np.full(n, -1.0, np.float32)
+    clipped = np.full(n, -1, np.int32)
+    pointers = ctypes.c_void_p * max(n, 1)
+    error = ctypes.create_string_buffer(256)
+    result = library.ampscale_ffi_fp8_cuda_run(
+        3,
+        0xABC0,
+        n,
+        pointers(*(a.ctypes.data for a in arrays)),
+        pointers(*(o.ctypes.data for o in outs)) if fmt else None,
+        (ctypes.c_longlong * max(n, 1))(*(a.size for a in arrays)),
+        (ctypes.c_int * max(n, 1))(*(_fused.KINDS[a.dtype.name] for a in arrays)),
+        None if scales is None else scales.ctypes.data,
+        0 if fmt is None else _fused.FORMAT_CODES[fmt],
+        0,
+        amaxes.ctypes.data,
+        clipped.ctypes.data,
+        error,
+        len(error),
+    )
+    assert result == 0, error.value
+    return outs, amaxes, clipped
+
+
+def test_the_cuda_handler_on_a_fake_driver_gives_the_references(tmp_path: Any) -> None:
+    """The handlers' host logic (memsets, tables of at most 64 tensors by value, grids, slots, the
+    empty tensors skipped), their launches run by the kernel's host build."""
+    import ctypes
+    import shutil
+
+    from ampscale._native.cuda import _fp8
+
+    copy = tmp_path / "libhandler.so"  # a private copy: its per-process tables stay its own
+    shutil.copy(_jax_custom_call.status().library, copy)
+    library = ctypes.CDLL(str(copy))
+    _fp8.declare(library)
+    fake = FakeFp8Driver()
+    _fp8.set_driver(library, cuda=fake)
+    assert library.ampscale_ffi_fp8_cuda_bind(3, FakeFp8Driver.CONTEXT, 9) == 0
+    rng = np.random.default_rng(5)
+    arrays = [
+        (rng.standard_normal(int(n)) * 300).astype(DTYPES[k % 4]) for k, n in enumerate(rng.integers(0, 3000, 150))
+    ]
+    arrays[1] = np.zeros(0, np.float32)
+    arrays[70] = (rng.standard_normal(70_000) * 300).astype(np.float32)  # two blocks
+    arrays[70][65_600] = np.nan
+    arrays[99][...] = np.inf if arrays[99].size else 0
+    _, amaxes, _ = _run_fp8_handler(library, arrays, None, None)
+    assert amaxes.view(np.uint32).tolist() == np.array([_exact(a) for a in arrays]).view(np.uint32).tolist()
+    launches = [c for c in fake.calls if c[0] == "launch"]
+    assert len(launches) == 3  # 149 non-empty tensors, 64 per launch
+    assert all(c[3] == _fp8.THREADS and c[4] == 0xABC0 for c in launches)
+    assert fake.calls[0] == ("memset", 150, 0xABC0)
+    scales = np.float32(rng.uniform(0.5, 4, len(arrays)))
+    for fmt in FORMATS:
+        outs, cast_amaxes, clipped = _run_fp8_handler(library, arrays, fmt, scales)
+        assert cast_amaxes.tobytes() == amaxes.tobytes()
+        for k, a in enumerate(arrays):
+            with np.errstate(over="ignore"):
+                expected, count = _fused.reference_cast_numpy(a, scales[k], fmt, False)
+            assert (outs[k] == expected.view(np.uint8).reshape(-1)).all(), (fmt, k)
+            assert clipped[k] == count
+
+
+@pytest.fixture
+def cuda_state(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, str]]:
+    state: list[tuple[bool, str]] = []
+    monkeypatch.setattr(_fused_jax, "_cuda", state)
+    monkeypatch.setattr(_fused_jax, "_cuda_warned", [False])
+    return state
+
+
+def _lower_for(platforms: tuple[str, ...], cast: bool = False) -> str:
+    leaves = [jnp.ones(3), jnp.ones(2, jnp.float16)]
+    if cast:
+        fn = jax.jit(lambda t: fp8.amax_and_cast(t, jnp.ones(2), "e4m3fn"))
+    else:
+        fn = jax.jit(lambda t: fp8.amax(t))
+    return fn.trace(leaves).lower(lowering_platforms=platforms).as_text()
+
+
+def test_lowering_for_cuda_uses_the_handler_where_the_kernel_is_bound(cuda_state: Any, monkeypatch: Any) -> None:
+    cuda_state[:] = [(True, "NVRTC cubin for sm_90, 1 device")]
+    assert "custom_call @ampscale_fp8_amax_v1(" in _lower_for(("cuda",))
+    assert _fused_jax.last_lowering() == "custom call (CUDA)"
+    assert _lower_for(("cpu", "cuda"), cast=True).count("custom_call @ampscale_fp8_amax_cast_v1(") == 2
+    cuda_state[:] = []
+    from ampscale.backends import _jax_custom_call as loss_call
+
+    monkeypatch.setattr(loss_call, "_cuda_devices", list)  # as on a machine without a GPU
+    assert "ampscale_fp8_amax_v1" not in _lower_for(("cuda",))
+    assert _fused_jax.last_lowering() == "XLA path: CUDA kernels unavailable (no CUDA device in this process)"

@@ -7,6 +7,10 @@ Two primitives, ``ampscale_fp8_amax`` and ``ampscale_fp8_amax_cast``, each lower
   :data:`GROUP` leaves per call, read only), from the handler library the loss scaler's custom
   call loads (:mod:`ampscale.backends._jax_custom_call`; ``AMPSCALE_JAX_CUSTOM_CALL=0`` and its
   ``use_custom_call`` turn both off);
+* on CUDA GPUs, to the same targets' CUDA handlers (``ampscale/_native/cuda/jax_ffi_fp8_cuda.cc``:
+  a memset of the results, then ``ampscale_fp8_jax_pass`` per 64 leaves on XLA's stream), once
+  NVRTC's binary is loaded for every GPU of the process (:func:`ampscale._native.cuda._fp8.bind`);
+  where it cannot be, the XLA path, with one warning where there is a GPU;
 * elsewhere, and where the custom call is no choice (``jax.export`` unless the loss scaler's
   ``use_custom_call(in_exports=True)``, automatic sharding over several devices, a partly manual
   ``shard_map``), to the same arithmetic in XLA operations, bit for bit the same.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ampscale._errors import PerformanceWarning
 from ampscale.fp8._cast import quantize
 from ampscale.fp8._config import FORMATS
 from ampscale.fp8._fused import FORMAT_CODES, check_scales
@@ -46,6 +52,8 @@ _BITS = {2: (jnp.uint16, 0x7FFF), 4: (jnp.uint32, 0x7FFFFFFF), 8: (jnp.uint64, (
 
 _lock = threading.Lock()
 _registered: list[tuple[bool, str]] = []  # [(registered, what or why not)] once tried
+_cuda: list[tuple[bool, str]] = []  # [(kernels bound on every GPU, what or why not)] once tried
+_cuda_warned = [False]
 _last: list[str] = []
 _primitives: dict[str, Any] = {}
 
@@ -101,11 +109,49 @@ def _ready() -> tuple[bool, str]:
                 try:
                     for target in TARGETS:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+                        # CUDA's too (kept by XLA until a CUDA client starts); its kernel is bound
+                        # per device by _cuda_ready before anything is lowered to it
+                        handler = jax.ffi.pycapsule(getattr(library, f"{target}_cuda"))
+                        jax.ffi.register_ffi_target(target, handler, platform="CUDA")
                 except (AttributeError, ValueError, RuntimeError) as exc:
                     _registered.append((False, f"the handler library has no FP8 handlers: {exc}"))
                 else:
                     _registered.append((True, f"custom call ({loaded.kernel_isa})"))
         return _registered[0]
+
+
+def _prepare_cuda() -> tuple[bool, str]:
+    from ampscale._native.cuda import _fp8, driver
+    from ampscale.backends import _jax_custom_call as loss_call
+
+    devices = loss_call._cuda_devices()
+    if not devices:
+        return False, "no CUDA device in this process"
+    reason = driver.unavailable_reason()
+    if reason is not None:
+        return False, reason
+    library = loss_call._library
+    assert library is not None
+    try:
+        _fp8.declare(library)
+        _fp8.set_driver(library)
+        ordinals = [d.local_hardware_id if d.local_hardware_id is not None else d.id for d in devices]
+        loaded = sorted({_fp8.bind(library, ordinal) for ordinal in ordinals})
+    except (OSError, RuntimeError) as exc:  # NvrtcError is a RuntimeError
+        return False, str(exc)
+    return True, f"NVRTC {', '.join(loaded)}, {len(devices)} device{'s' if len(devices) > 1 else ''}"
+
+
+def _cuda_ready() -> tuple[bool, str]:
+    """Whether the CUDA kernel is bound for every GPU of this process (binding it once), and
+    what was loaded or why not."""
+    ready, why = _ready()
+    if not ready:
+        return False, why
+    with _lock:
+        if not _cuda:
+            _cuda.append(_prepare_cuda())
+        return _cuda[0]
 
 
 def last_lowering() -> str | None:
@@ -180,6 +226,30 @@ def _make(name: str) -> Any:
         attributes = {"format": np.int32(FORMAT_CODES[params["fmt"]]), "divide": bool(params["divide"])}
         return jax.ffi.ffi_lowering(TARGETS[1])(ctx, *args, **attributes)
 
+    def lower_cuda(ctx: Any, *args: Any, **params: Any) -> Any:
+        from ampscale.backends import _jax_custom_call as loss_call
+
+        reason = _choice(ctx)
+        # an export keeps the call without kernels here: the process that runs it binds them
+        if reason is None and not loss_call._for_export(ctx):
+            ready, why = _cuda_ready()
+            if not ready:
+                reason = f"CUDA kernels unavailable ({why})"
+                if loss_call._cuda_devices() and not _cuda_warned[0]:  # a GPU, and not the fast path
+                    _cuda_warned[0] = True
+                    warnings.warn(
+                        f"ampscale: the JAX CUDA FP8 custom call is unavailable, XLA operations run instead: {why}",
+                        PerformanceWarning,
+                        stacklevel=2,
+                    )
+        _last[:] = ["custom call (CUDA)" if reason is None else f"XLA path: {reason}"]
+        if reason is not None:
+            return _lower_xla(functools.partial(xla_path, **params), cast)(ctx, *args)
+        if not cast:
+            return jax.ffi.ffi_lowering(TARGETS[0])(ctx, *args)
+        attributes = {"format": np.int32(FORMAT_CODES[params["fmt"]]), "divide": bool(params["divide"])}
+        return jax.ffi.ffi_lowering(TARGETS[1])(ctx, *args, **attributes)
+
     def lower_other(ctx: Any, *args: Any, **params: Any) -> Any:
         _last[:] = [f"XLA path: no handler for platform {list(ctx.module_context.platforms)}"]
         return _lower_xla(functools.partial(xla_path, **params), cast)(ctx, *args)
@@ -188,7 +258,7 @@ def _make(name: str) -> Any:
         # JAX's multi-platform dispatch (one branch per platform of a module lowered for several)
         ctx = ctx.replace(avals_out=list(ctx.avals_out) if cast else ctx.avals_out)
         return mlir_internal.lower_per_platform(
-            ctx, name, {"cpu": lower_cpu}, lower_other, frozenset(), *args, **params
+            ctx, name, {"cpu": lower_cpu, "cuda": lower_cuda}, lower_other, frozenset(), *args, **params
         )
 
     def batch(args: Sequence[Any], dims: Sequence[int | None], **params: Any) -> tuple[Any, Any]:

@@ -9,11 +9,13 @@ The table layout matches ``struct AmpscaleFp8Chunk``. Framework-free: tested on 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import pathlib
 import re
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,8 +29,13 @@ __all__ = [
     "CHUNK",
     "CHUNK_DTYPE",
     "DIVIDE",
+    "DRIVER_FUNCTIONS",
     "FUNCTIONS",
+    "JAX_LEAVES",
     "THREADS",
+    "bind",
+    "declare",
+    "set_driver",
     "chunk_table",
     "kernel_source",
     "module_source",
@@ -40,7 +47,18 @@ _SOURCE = pathlib.Path(__file__).with_name("fp8_kernels.cu")
 #: the layout of ``struct AmpscaleFp8Chunk``: 5 x 8 bytes
 CHUNK_DTYPE = np.dtype([("data", "<u8"), ("out", "<u8"), ("start", "<i8"), ("length", "<i8"), ("meta", "<i8")])
 #: the kernels of every module; ``ampscale_fp8_pass_step`` too in a module made for an FP8 configuration
-FUNCTIONS = ("ampscale_fp8_pass",)
+FUNCTIONS = ("ampscale_fp8_pass", "ampscale_fp8_jax_pass")
+#: the driver entry points the JAX CUDA handler calls, in ``ampscale_ffi_fp8_cuda_set_driver``'s order
+DRIVER_FUNCTIONS = (
+    "cuLaunchKernel",
+    "cuMemsetD32Async",
+    "cuCtxGetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuGetErrorString",
+)
+_lock = threading.Lock()
+_bound: dict[int, str] = {}  # ordinal -> what was loaded for the JAX handler
 
 
 def kernel_source() -> str:
@@ -56,6 +74,8 @@ def _defined(name: str) -> int:
 
 #: threads per block, elements per row of the table, and the options' bits
 THREADS, CHUNK = _defined("AMPSCALE_FP8_THREADS"), _defined("AMPSCALE_FP8_CHUNK")
+#: tensors per launch of the JAX handler's kernel
+JAX_LEAVES = _defined("AMPSCALE_FP8_JAX_LEAVES")
 CAST, DIVIDE = _defined("AMPSCALE_FP8_CAST"), _defined("AMPSCALE_FP8_DIVIDE")
 _FORMAT_SHIFT, _NAN_SHIFT = _defined("AMPSCALE_FP8_FORMAT_SHIFT"), _defined("AMPSCALE_FP8_NAN_SHIFT")
 
@@ -119,3 +139,72 @@ def chunk_table(
     table["length"] = rows["length"]
     table["meta"] = (slot << 8) | rows["kind"]
     return table
+
+
+# ------------------------------------------------------------------------------ the JAX CUDA handler
+
+
+def declare(library: ctypes.CDLL) -> None:
+    """The C signatures of the handler library's FP8 CUDA entry points (``jax_ffi_fp8_cuda.cc``)."""
+    p = ctypes.c_void_p
+    library.ampscale_ffi_fp8_cuda_set_driver.argtypes = [p] * 6
+    library.ampscale_ffi_fp8_cuda_set_driver.restype = ctypes.c_int
+    library.ampscale_ffi_fp8_cuda_bind.argtypes = [ctypes.c_int, p, p]
+    library.ampscale_ffi_fp8_cuda_bind.restype = ctypes.c_int
+    library.ampscale_ffi_fp8_cuda_run.argtypes = [
+        ctypes.c_int,
+        p,
+        ctypes.c_longlong,
+        p,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_int,
+        ctypes.c_int,
+        p,
+        p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ]
+    library.ampscale_ffi_fp8_cuda_run.restype = ctypes.c_int
+
+
+def set_driver(library: ctypes.CDLL, cuda: Any = None) -> None:
+    """Give the FP8 handlers the driver entry points they call (default: from ``libcuda.so.1``).
+
+    Raises:
+        OSError: the driver cannot be loaded or lacks an entry point.
+    """
+    if cuda is None:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    pointers = []
+    for name in DRIVER_FUNCTIONS:
+        function = getattr(cuda, name, None)
+        if function is None:
+            raise OSError(f"the CUDA driver libcuda.so.1 has no {name}")
+        pointers.append(ctypes.cast(function, ctypes.c_void_p).value)
+    if library.ampscale_ffi_fp8_cuda_set_driver(*pointers) != 0:
+        raise OSError("the CUDA driver's entry points could not be given to the JAX FP8 handlers")
+
+
+def bind(library: ctypes.CDLL, ordinal: int) -> str:
+    """Compile (or take from the disk cache), load and record ``ampscale_fp8_jax_pass`` for
+    device ``ordinal``, once per device and process; what was loaded (``"cubin for sm_90"``).
+
+    Raises:
+        OSError, RuntimeError: the driver launcher, NVRTC or the driver failed.
+    """
+    from ampscale._native.cuda import driver
+
+    with _lock:
+        if ordinal in _bound:
+            return _bound[ordinal]
+        launcher = driver.launcher()
+        module = driver.DeviceModule(module_source(), ordinal)
+        function = launcher.get_function(module.module, module.context, "ampscale_fp8_jax_pass")
+        if library.ampscale_ffi_fp8_cuda_bind(ordinal, module.context, function) != 0:
+            raise RuntimeError(f"the JAX FP8 handler refused the kernel for CUDA device {ordinal}")
+        major, minor = launcher.compute_capability(ordinal)
+        _bound[ordinal] = f"{module.kind} for sm_{major}{minor}"
+        return _bound[ordinal]

@@ -25,6 +25,11 @@
 // FP8 transition of ampscale.fp8._codegen.c_transition): the same pass, then the same last block
 // runs the transition over every slot, one slot per thread.
 
+// The part up to AMPSCALE_FP8_PARAMS_ONLY is plain C++, the launches' layouts: the JAX CUDA
+// handler (jax_ffi_fp8_cuda.cc) includes only it.
+#ifndef AMPSCALE_FP8_PARAMS
+#define AMPSCALE_FP8_PARAMS
+
 #define AMPSCALE_FP8_THREADS 512        // threads per block
 #define AMPSCALE_FP8_CHUNK 65536LL      // elements per row of the table
 #define AMPSCALE_FP8_CAST 1LL           // options: write the payload
@@ -40,6 +45,25 @@ struct AmpscaleFp8Chunk {
     long long length;         // elements in this chunk
     long long meta;           // slot << 8 | AMPSCALE_KIND_*
 };
+
+// ampscale_fp8_jax_pass (the JAX CUDA handler's kernel): the tensors of one launch, passed BY
+// VALUE as a kernel parameter (the driver copies it with the launch: no device allocation, no
+// copy, no sync), as jax_kernels.cu passes its table. Block b processes chunk b of the
+// concatenation: tensor i owns blocks [first_chunk[i], first_chunk[i + 1]). Empty tensors are
+// never listed (their slot's amax is the 0 the handler's memset wrote).
+#define AMPSCALE_FP8_JAX_LEAVES 64  // tensors per launch: the table is 2,576 bytes
+struct AmpscaleFp8JaxLeaves {
+    unsigned long long data[AMPSCALE_FP8_JAX_LEAVES];  // device address of each tensor
+    unsigned long long out[AMPSCALE_FP8_JAX_LEAVES];   // device address of its payload (a cast)
+    long long meta[AMPSCALE_FP8_JAX_LEAVES];           // element count << 8 | dtype code
+    long long slot[AMPSCALE_FP8_JAX_LEAVES];           // its slot in the call's outputs
+    long long first_chunk[AMPSCALE_FP8_JAX_LEAVES + 1];
+    long long count;  // tensors listed, 1 to AMPSCALE_FP8_JAX_LEAVES
+};
+
+#endif
+
+#ifndef AMPSCALE_FP8_PARAMS_ONLY
 
 #if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
 struct uint2 {
@@ -238,25 +262,38 @@ AMPSCALE_HD inline bool ampscale_fp8_finish(unsigned int* top, unsigned long lon
     return finite;
 }
 
+// The tensor whose blocks include `block` (a binary search over first_chunk) and its chunk; the
+// chunk's payload offset is 0 (the payload is the tensor's own buffer, leaves.out[*leaf]).
+AMPSCALE_HD inline AmpscaleFp8Chunk ampscale_fp8_jax_chunk(const AmpscaleFp8JaxLeaves& leaves, long long block,
+                                                           long long& leaf) {
+    long long lo = 0, hi = leaves.count - 1;
+    while (lo < hi) {
+        const long long mid = (lo + hi + 1) / 2;
+        if (leaves.first_chunk[mid] <= block)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    leaf = lo;
+    const long long size = leaves.meta[lo] >> 8;
+    AmpscaleFp8Chunk chunk;
+    chunk.data = leaves.data[lo];
+    chunk.out = 0;
+    chunk.start = (block - leaves.first_chunk[lo]) * AMPSCALE_FP8_CHUNK;
+    chunk.length = size - chunk.start < AMPSCALE_FP8_CHUNK ? size - chunk.start : AMPSCALE_FP8_CHUNK;
+    chunk.meta = (leaves.slot[lo] << 8) | (leaves.meta[lo] & 0xff);
+    return chunk;
+}
+
 // ------------------------------------------------------------------ the kernels
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 
-// The pass of one block over its row; true in the block (every thread) that drew the last
-// ticket. Block-wide: every thread of the block must call it.
-__device__ inline bool ampscale_fp8_block(const AmpscaleFp8Chunk* chunks, long long chunk_count, unsigned char* payload,
-                                          const float* scales, long long options, unsigned int* top,
-                                          unsigned long long* clipped, unsigned int* ticket) {
+// The block's largest magnitude bits and clipped count, on thread 0 (block-wide: every thread
+// calls it).
+__device__ inline void ampscale_fp8_block_reduce(unsigned int mine, unsigned int count, unsigned int& block_top,
+                                                 unsigned long long& block_clipped) {
     __shared__ unsigned int warp_top[32];
     __shared__ unsigned int warp_clipped[32];
-    __shared__ bool last;
-    unsigned int mine = 0, count = 0;
-    long long slot = -1;
-    if (blockIdx.x < chunk_count) {
-        const AmpscaleFp8Chunk chunk = chunks[blockIdx.x];
-        slot = chunk.meta >> 8;
-        const float scale = (options & AMPSCALE_FP8_CAST) ? scales[slot] : 1.0f;
-        mine = ampscale_fp8_chunk_part(chunk, payload, threadIdx.x, blockDim.x, scale, options, count);
-    }
     for (int offset = 16; offset > 0; offset /= 2) {
         const unsigned int other = __shfl_xor_sync(0xffffffffu, mine, offset);
         mine = other > mine ? other : mine;
@@ -268,13 +305,34 @@ __device__ inline bool ampscale_fp8_block(const AmpscaleFp8Chunk* chunks, long l
         warp_clipped[warp] = count;
     }
     __syncthreads();
+    block_top = 0;
+    block_clipped = 0;
     if (threadIdx.x == 0) {
-        unsigned int block_top = 0;
-        unsigned long long block_clipped = 0;
         for (unsigned int w = 0; w < warps; w++) {
             block_top = warp_top[w] > block_top ? warp_top[w] : block_top;
             block_clipped += warp_clipped[w];
         }
+    }
+}
+
+// The pass of one block over its row; true in the block (every thread) that drew the last
+// ticket. Block-wide: every thread of the block must call it.
+__device__ inline bool ampscale_fp8_block(const AmpscaleFp8Chunk* chunks, long long chunk_count, unsigned char* payload,
+                                          const float* scales, long long options, unsigned int* top,
+                                          unsigned long long* clipped, unsigned int* ticket) {
+    __shared__ bool last;
+    unsigned int mine = 0, count = 0;
+    long long slot = -1;
+    if (blockIdx.x < chunk_count) {
+        const AmpscaleFp8Chunk chunk = chunks[blockIdx.x];
+        slot = chunk.meta >> 8;
+        const float scale = (options & AMPSCALE_FP8_CAST) ? scales[slot] : 1.0f;
+        mine = ampscale_fp8_chunk_part(chunk, payload, threadIdx.x, blockDim.x, scale, options, count);
+    }
+    unsigned int block_top;
+    unsigned long long block_clipped;
+    ampscale_fp8_block_reduce(mine, count, block_top, block_clipped);
+    if (threadIdx.x == 0) {
         if (slot >= 0) {
             if (block_top) atomicMax(top + slot, block_top);
             if (block_clipped && clipped) atomicAdd(clipped + slot, block_clipped);
@@ -301,6 +359,28 @@ extern "C" __global__ void ampscale_fp8_pass(const AmpscaleFp8Chunk* chunks, lon
                                           blockDim.x);
     const int all = __syncthreads_and(mine);
     if (finite && threadIdx.x == 0) *finite = static_cast<unsigned char>(all != 0);
+}
+
+// The JAX CUDA handler's launch: up to AMPSCALE_FP8_JAX_LEAVES tensors, their table by value.
+// `top` is the call's float32 amax result and `clipped` its int32 counts, both zeroed by the
+// handler (a memset on the stream) before the first launch: the maximum float32 magnitude bits
+// ARE the float32 amax (a NaN's are the canonical 0x7fc00000), so no last block is needed.
+extern "C" __global__ void ampscale_fp8_jax_pass(const AmpscaleFp8JaxLeaves leaves, const float* scales,
+                                                 long long options, unsigned int* top, unsigned int* clipped) {
+    long long leaf;
+    const AmpscaleFp8Chunk chunk = ampscale_fp8_jax_chunk(leaves, blockIdx.x, leaf);
+    const long long slot = chunk.meta >> 8;
+    const float scale = (options & AMPSCALE_FP8_CAST) ? scales[slot] : 1.0f;
+    unsigned int count = 0;
+    const unsigned int mine = ampscale_fp8_chunk_part(chunk, reinterpret_cast<unsigned char*>(leaves.out[leaf]),
+                                                      threadIdx.x, blockDim.x, scale, options, count);
+    unsigned int block_top;
+    unsigned long long block_clipped;
+    ampscale_fp8_block_reduce(mine, count, block_top, block_clipped);
+    if (threadIdx.x == 0) {
+        if (block_top) atomicMax(top + slot, block_top);
+        if (block_clipped && clipped) atomicAdd(clipped + slot, static_cast<unsigned int>(block_clipped));
+    }
 }
 
 #if defined(AMPSCALE_FP8_TRANSITION)
@@ -373,6 +453,24 @@ extern "C" int ampscale_fp8_host_pass(const AmpscaleFp8Chunk* chunks, long long 
     return finished;
 }
 
+// ampscale_fp8_jax_pass emulated: `blocks` blocks of `lanes` lanes over one table.
+extern "C" void ampscale_fp8_jax_host_pass(const AmpscaleFp8JaxLeaves* leaves, long long blocks, const float* scales,
+                                           long long options, unsigned int* top, unsigned int* clipped, int lanes) {
+    for (long long block = 0; block < blocks; block++) {
+        long long leaf;
+        const AmpscaleFp8Chunk chunk = ampscale_fp8_jax_chunk(*leaves, block, leaf);
+        const long long slot = chunk.meta >> 8;
+        const float scale = (options & AMPSCALE_FP8_CAST) ? scales[slot] : 1.0f;
+        unsigned char* payload = reinterpret_cast<unsigned char*>(leaves->out[leaf]);
+        for (int lane = 0; lane < lanes; lane++) {
+            unsigned int count = 0;
+            const unsigned int mine = ampscale_fp8_chunk_part(chunk, payload, lane, lanes, scale, options, count);
+            top[slot] = mine > top[slot] ? mine : top[slot];
+            if (clipped) clipped[slot] += count;
+        }
+    }
+}
+
 #if defined(AMPSCALE_FP8_TRANSITION)
 // ampscale_fp8_pass_step emulated: the pass, then the transition of every slot (in the last block).
 extern "C" int ampscale_fp8_host_pass_step(const AmpscaleFp8Chunk* chunks, long long chunk_count, long long blocks,
@@ -393,3 +491,5 @@ extern "C" int ampscale_fp8_host_pass_step(const AmpscaleFp8Chunk* chunks, long 
 }
 #endif
 #endif
+
+#endif  // AMPSCALE_FP8_PARAMS_ONLY
