@@ -361,3 +361,24 @@ def test_lowering_for_cuda_uses_the_handler_where_the_kernel_is_bound(cuda_state
     monkeypatch.setattr(loss_call, "_cuda_devices", list)  # as on a machine without a GPU
     assert "ampscale_fp8_amax_v1" not in _lower_for(("cuda",))
     assert _fused_jax.last_lowering() == "XLA path: CUDA kernels unavailable (no CUDA device in this process)"
+
+
+def test_large_leaves_split_across_xlas_threads_merge_to_the_exact_amaxes() -> None:
+    """Above the kernels' parallel threshold the handler cuts the bytes into pieces run on XLA's
+    intra-op pool: a leaf cut in two merges its pieces' maxima (and counts)."""
+    rng = np.random.default_rng(8)
+    host = [rng.standard_normal(n).astype(d) for n, d in [(1_500_001, "float32"), (900_000, "float16"), (7, "float32")]]
+    host[0][750_000] = -1e30  # near the middle, where the bytes are cut
+    host[1][-1] = np.inf
+    leaves = [jnp.asarray(a) for a in host]
+    assert sum(a.nbytes for a in host) > 2 * (1 << 21)
+    amaxes = jax.jit(lambda t: fp8.amax(t))(leaves)
+    assert _fused_jax.last_lowering().startswith("custom call")
+    assert _bits(amaxes) == _bits([_exact(a) for a in host])
+    scales = jnp.asarray([1e-28, 1.0, 1.0], jnp.float32)
+    payloads, _, clipped = jax.jit(lambda t: fp8.amax_and_cast(t, scales, "e4m3fn"))(leaves)
+    for k, leaf in enumerate(leaves):
+        expected = np.asarray(fp8.quantize(leaf, scales[k], "e4m3fn")).view(np.uint8)
+        assert (np.asarray(payloads[k]).view(np.uint8) == expected).all()
+    counts = [_fused.reference_cast_numpy(a, np.float32(scales[k]), "e4m3fn", False)[1] for k, a in enumerate(host)]
+    assert np.asarray(clipped).tolist() == counts == [0, 1, 0]  # -1e30 * 1e-28 is -100; the inf is clipped
