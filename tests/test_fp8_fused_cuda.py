@@ -424,3 +424,10 @@ def test_the_array_encoder_of_the_eager_cupy_path_is_the_reference(fmt: str) -> 
     expected, count = _fused.reference_cast_numpy(x, 1.0, fmt, False)
     assert (code == expected.view(np.uint8)).all()
     assert int(clipped.sum()) == count
+
+
+def test_the_array_amax_of_the_eager_cupy_path_is_exact() -> None:
+    """The eager path's amax in array operations (NumPy standing in for CuPy), every dtype."""
+    leaves = [a for dtype in DTYPES for a in _leaves(dtype, seed=3)]
+    got = _fused._xp_amax(leaves)
+    assert got.view(np.uint32).tolist() == np.array([_exact(a) for a in leaves]).view(np.uint32).tolist()

@@ -395,7 +395,9 @@ def _xp_amax_one(x: Any, xp: Any) -> Any:
         return xp.zeros((), xp.float32)
     unsigned, mask = _BITS[x.dtype.itemsize]
     top = (xp.ascontiguousarray(x).reshape(-1).view(unsigned) & unsigned(mask)).max()
-    if x.dtype.itemsize == 2:
+    if x.dtype.name == "bfloat16":  # the top half of a float32
+        value = (top.astype(xp.uint32) << 16).view(xp.float32)
+    elif x.dtype.itemsize == 2:
         value = top.view(xp.float16).astype(xp.float32)
     elif x.dtype.itemsize == 4:
         value = top.view(xp.float32)
