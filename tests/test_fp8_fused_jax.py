@@ -382,3 +382,21 @@ def test_large_leaves_split_across_xlas_threads_merge_to_the_exact_amaxes() -> N
         assert (np.asarray(payloads[k]).view(np.uint8) == expected).all()
     counts = [_fused.reference_cast_numpy(a, np.float32(scales[k]), "e4m3fn", False)[1] for k, a in enumerate(host)]
     assert np.asarray(clipped).tolist() == counts == [0, 1, 0]  # -1e30 * 1e-28 is -100; the inf is clipped
+
+
+def test_registered_pytrees_are_flattened_by_jax() -> None:
+    """A tree node only JAX knows (a registered class) is flattened by ``jax.tree_util``."""
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Params:
+        w: Any
+        b: Any
+
+    params = Params(w=jnp.asarray([[1.0, -8.0]]), b=jnp.asarray([3.0], jnp.bfloat16))
+    assert np.asarray(jax.jit(lambda p: fp8.amax(p))(params)).tolist() == [8.0, 3.0]  # the fields in order
+    payloads, _, _ = fp8.amax_and_cast(params, jnp.asarray([1.0, 1.0]), "e5m2")
+    assert isinstance(payloads, Params)
+    with pytest.raises(TypeError, match="got object"):
+        fp8.amax([object()])

@@ -36,6 +36,7 @@ Per framework (one pass, every dtype of the tree together):
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,7 +70,7 @@ def nan_byte(fmt: str, framework: str) -> int:
 def _flatten(tree: Any) -> tuple[list[Any], Any, str]:
     """``(leaves, spec, framework)``, the leaves all of one framework (else ``TypeError``)."""
     leaves, spec = _tree.flatten(tree)
-    if leaves and framework_of_leaf(leaves[0]) == "jax":
+    if leaves and _jax_tree(leaves[0]):
         import jax
 
         leaves, spec = jax.tree_util.tree_flatten(tree)
@@ -86,6 +87,17 @@ def _flatten(tree: Any) -> tuple[list[Any], Any, str]:
                     f"{frameworks[type(leaf)]} array ({type(leaf).__name__}); give the arrays of one framework"
                 )
     return leaves, spec, first
+
+
+def _jax_tree(first: Any) -> bool:
+    """Whether JAX's own flatten must read the tree: its first leaf is a JAX array, or something
+    only a registered pytree class can be (JAX imported: a flax or equinox module, a scaler)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        return framework_of(first) == "jax"
+    except TypeError:
+        return True
 
 
 def framework_of_leaf(leaf: Any) -> str:
