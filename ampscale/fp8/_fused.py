@@ -46,25 +46,9 @@ from ampscale import _tree
 from ampscale.fp8._cast import fp8_dtype
 from ampscale.fp8._config import FORMATS
 from ampscale.fp8._ops import framework_of
+from ampscale.fp8._pass import ACCEPTED, FORMAT_CODES, KINDS, check_scales, nan_byte
 
-__all__ = ["FORMAT_CODES", "amax", "amax_and_cast", "nan_byte"]
-
-#: format -> the native kernels' FP8_* code
-FORMAT_CODES = {"e4m3fn": 0, "e5m2": 1, "e4m3fnuz": 2, "e5m2fnuz": 3}
-#: float dtype name -> the native kernels' KIND_* code
-KINDS = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
-_ACCEPTED = "float16, bfloat16, float32 or float64"
-
-
-def nan_byte(fmt: str, framework: str) -> int:
-    """The byte a NaN becomes in ``fmt`` (before its sign), as ``framework``'s own cast writes it.
-
-    ml_dtypes and XLA write E5M2's NaN as 0x7e, torch as 0x7f; E4M3FN's is 0x7f everywhere, and
-    the fnuz formats have the one NaN 0x80.
-    """
-    if fmt == "e5m2":
-        return 0x7F if framework == "torch" else 0x7E
-    return 0x80 if fmt.endswith("fnuz") else 0x7F
+__all__ = ["FORMAT_CODES", "KINDS", "amax", "amax_and_cast", "check_scales", "nan_byte"]
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Any, str]:
@@ -129,7 +113,7 @@ def _kinds(leaves: Sequence[Any]) -> list[int]:
     if None in codes.values():
         index = next(i for i, d in enumerate(dtypes) if codes[d] is None)
         name = getattr(dtypes[index], "name", None) or str(dtypes[index]).rsplit(".", 1)[-1]
-        raise TypeError(f"leaf [{index}] has dtype {name}; FP8 amaxes are taken of {_ACCEPTED} arrays")
+        raise TypeError(f"leaf [{index}] has dtype {name}; FP8 amaxes are taken of {ACCEPTED} arrays")
     if len(codes) == 1:
         return [next(iter(codes.values()))] * len(leaves)  # type: ignore[list-item]
     return [codes[d] for d in dtypes]  # type: ignore[misc]
@@ -244,22 +228,6 @@ def amax_and_cast(tree: Any, scales: Any, fmt: str, *, divide: bool = False) -> 
         done = _fused_cuda.cupy_amax_cast(leaves, kinds, scales, fmt, divide)
         payloads, amaxes, clipped = _xp_amax_cast(leaves, scales, fmt, divide) if done is None else done
     return _tree.unflatten(spec, payloads), amaxes, clipped
-
-
-def check_scales(scales: Any, count: int, framework: str) -> None:
-    """``scales`` must be an ``[count]`` float32 array of ``framework``."""
-    try:
-        given = framework_of(scales)
-    except TypeError:
-        given = type(scales).__name__
-    shape = tuple(getattr(scales, "shape", ()))
-    dtype = str(getattr(scales, "dtype", "")).rsplit(".", 1)[-1]
-    if given != framework:
-        raise TypeError(f"scales must be a {framework} array like the tree's leaves; got {given}")
-    if shape != (count,):
-        raise ValueError(f"scales must have shape ({count},) (one scale per leaf); got shape {shape}")
-    if dtype != "float32":
-        raise TypeError(f"scales must be float32 (the FP8 state's dtype); got {dtype}")
 
 
 # ------------------------------------------------------------------------------ NumPy

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ampscale._native.cuda import _fp8
-from ampscale.fp8._fused import FORMAT_CODES, check_scales, nan_byte
+from ampscale.fp8._pass import FORMAT_CODES, check_scales, nan_byte
 
 __all__ = ["cupy_amax", "cupy_amax_cast", "torch_amax", "torch_amax_cast"]
 

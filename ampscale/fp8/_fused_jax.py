@@ -39,7 +39,7 @@ from jax import lax
 from ampscale._errors import PerformanceWarning
 from ampscale.fp8._cast import quantize
 from ampscale.fp8._config import FORMATS
-from ampscale.fp8._fused import FORMAT_CODES, check_scales
+from ampscale.fp8._pass import FORMAT_CODES, check_scales
 
 __all__ = ["GROUP", "TARGETS", "all_finite", "amax", "amax_cast", "last_lowering", "xla_amax"]
 

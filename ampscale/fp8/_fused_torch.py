@@ -19,7 +19,7 @@ import torch
 from ampscale.backends import torch as torch_backend
 from ampscale.fp8._cast import fp8_dtype, quantize
 from ampscale.fp8._config import FORMATS
-from ampscale.fp8._fused import FORMAT_CODES, check_scales, nan_byte
+from ampscale.fp8._pass import FORMAT_CODES, check_scales, nan_byte
 
 __all__ = ["amax", "amax_cast", "eager_amax"]
 
