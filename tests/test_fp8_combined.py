@@ -323,10 +323,9 @@ def test_a_nan_micro_batch_survives_the_accumulation() -> None:
 
 
 def test_the_amaxes_of_many_tensors_in_one_call() -> None:
-    """``_amaxes``, the one place a fused multi-tensor pass replaces: per tensor, in order,
-    nan if it holds a nan, else inf if it holds an inf, 0 for an empty one."""
-    from ampscale.fp8._amax import _amaxes
-
+    """``fp8.amax``, the fused pass the demo and the hooks take their amaxes from: per tensor, in
+    order, nan if it holds a nan, else inf if it holds an inf, 0 for an empty one; on every
+    framework, an array-API namespace included."""
     leaves = [
         np.float32([[1.0, -7.0], [2.0, 3.0]]),
         np.float16([np.inf, 1.0]),
@@ -334,15 +333,20 @@ def test_the_amaxes_of_many_tensors_in_one_call() -> None:
         np.zeros(0, np.float32),
         np.float64([-0.5]),
     ]
-    got = _amaxes(leaves)
+    got = fp8.amax(leaves)
     assert got.dtype == np.float32
     assert ["nan" if v != v else v for v in got.tolist()] == [7.0, INF, "nan", 0.0, 0.5]
     torch = pytest.importorskip("torch")
-    assert _amaxes([torch.tensor([1.0, -2.0]), torch.tensor([3.0])]).tolist() == [2.0, 3.0]
-    with pytest.raises(TypeError, match="tensor 1 is a Tensor"):
-        _amaxes([np.float32([1.0]), torch.tensor([1.0])])
-    with pytest.raises(ValueError, match="at least one tensor"):
-        _amaxes([])
+    assert fp8.amax([torch.tensor([1.0, -2.0]), torch.tensor([3.0])]).tolist() == [2.0, 3.0]
+    with pytest.raises(TypeError, match=r"leaf \[1\] a torch array"):
+        fp8.amax([np.float32([1.0]), torch.tensor([1.0])])
+    with pytest.raises(ValueError, match="at least one array"):
+        fp8.amax([])
     xp = pytest.importorskip("array_api_strict")
-    got = _amaxes([xp.asarray([1.0, NAN], dtype=xp.float32), xp.asarray([-4.0], dtype=xp.float32)])
+    got, finite = fp8.amax(
+        [xp.asarray([1.0, NAN], dtype=xp.float32), xp.asarray([-4.0], dtype=xp.float32)], with_finite=True
+    )
     assert ["nan" if v != v else v for v in np.from_dlpack(got).tolist()] == ["nan", 4.0]
+    assert not bool(finite)
+    with pytest.raises(TypeError, match="leaf \\[0\\] has dtype int32"):
+        fp8.amax([xp.asarray([1], dtype=xp.int32)])

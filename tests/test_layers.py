@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ampscale.fp8._codegen",
             "ampscale.fp8._update",
             "ampscale.fp8._state_dict",
+            "ampscale.fp8._pass",
         ),
     ),
     ("native code", ("ampscale._native", "ampscale._native.*")),
@@ -57,6 +58,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("backend registry", ("ampscale.backends",)),
+    (
+        "FP8 fused pass",
+        ("ampscale.fp8._fused", "ampscale.fp8._fused_torch", "ampscale.fp8._fused_jax", "ampscale.fp8._fused_cuda"),
+    ),
     (
         "scaler",
         (

@@ -32,6 +32,7 @@ from ampscale.fp8._cast import (
 from ampscale.fp8._combined import Fp8Step, unscale_and_update
 from ampscale.fp8._config import FORMATS, FP8_PRESETS, Fp8Config, Fp8Preset, make_fp8_config
 from ampscale.fp8._distributed import reduce_amax
+from ampscale.fp8._fused import amax, amax_and_cast
 from ampscale.fp8._scaler import Fp8Scaler, create_fp8_scaler, init_state, update_state
 from ampscale.fp8._state_dict import FP8_FORMAT_VERSION
 from ampscale.fp8._transition import Fp8State
@@ -45,6 +46,8 @@ __all__ = [
     "Fp8Scaler",
     "Fp8State",
     "Fp8Step",
+    "amax",
+    "amax_and_cast",
     "combine_amax",
     "create_fp8_scaler",
     "dequantize",

@@ -13,6 +13,10 @@ history's ``push`` and ``window_max``, the power-of-two rules) to its operations
   history, row-major), for the host compiler and for CUDA kernels alike (no header; NVRTC needs
   none). Given the same buffer as input and output history, a slot writes one float (two on
   torchao's first update), never a shifted copy.
+* :func:`c_state_update`: one slot's update read from and written to the arrays of an
+  :class:`~ampscale.fp8.Fp8State` (every field, the step count included), the body both CUDA
+  kernels run per thread: the one-launch update (:mod:`ampscale.fp8._cuda`) and the fused
+  pass's last block (``ampscale_fp8_pass_step`` in ``ampscale/_native/cuda/fp8_kernels.cu``).
   Compile it without contraction to FMA and without flush-to-zero (``-ffp-contract=off``;
   ``--fmad=false --ftz=false`` for NVRTC): the transition's subnormal amaxes and scales must
   keep their bits unless the preset flushes them on purpose (``subnormals="flush"``).
@@ -40,14 +44,27 @@ from ampscale._codegen import (
 )
 from ampscale._config import FLOAT32_TINY, _round_to
 from ampscale.fp8._ops import floor_log2_thresholds, subnormal_floor_log2_thresholds
-from ampscale.fp8._transition import Fp8Slot, slot_transition
+from ampscale.fp8._transition import SLOT_INT_FIELDS, Fp8Slot, Fp8State, slot_transition
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ampscale.fp8._config import Fp8Config
 
-__all__ = ["C_PRELUDE", "FP8_C_PRELUDE", "c_transition", "python_slot_transition"]
+__all__ = [
+    "C_PRELUDE",
+    "FLAG_BOOL",
+    "FLAG_FALSE",
+    "FLAG_TRUE",
+    "FP8_C_PRELUDE",
+    "c_state_update",
+    "c_transition",
+    "python_slot_transition",
+]
+
+#: how a step's flag is passed to a kernel (the codes of the loss scaler's kernels): true / a
+#: bool in memory / false
+FLAG_TRUE, FLAG_BOOL, FLAG_FALSE = 0, 1, 3
 
 _COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _INPUTS = ("amax", "fp8_max", "step_ok")
@@ -552,3 +569,58 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _state_c_type(field: str) -> str:
+    return "int" if field in SLOT_INT_FIELDS or field == "steps" else "float"
+
+
+def c_state_update(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
+    """The C of one slot's update on the arrays of an :class:`~ampscale.fp8.Fp8State`.
+
+    Defines ``AMPSCALE_FP8_STATE_PARAMS`` (``const T* {field}`` for every field of the state,
+    then ``T* out_{field}`` for every field: 16 pointers) and ``AMPSCALE_FP8_STATE_ARGS`` (their
+    names), ``{prefix}read_flag(const void* flag, long long kind)`` (:data:`FLAG_TRUE`,
+    :data:`FLAG_BOOL`: a bool byte at ``flag``, :data:`FLAG_FALSE`), and ``void
+    {prefix}thread(long long k, AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float*
+    fp8_max, const void* step_ok, long long step_ok_kind, unsigned char* updated, long long
+    n)``: slot ``k``'s fields and history row (at ``k * history_len``) through
+    ``{prefix}slot`` into the output arrays, ``updated[k]`` (when not null), and on ``k == 0``
+    the saturating step count, so that one call per slot is the whole update. Every field the
+    transition updates is written, ``head`` and ``steps`` included; the outputs may be the
+    inputs (the transition writes its output after reading its input). Needs
+    :func:`c_transition` with the same ``prefix`` before it.
+    """
+    fields = Fp8State._fields
+    scalars = [f for f in Fp8Slot._fields if f != "history"]
+    params = ", ".join(
+        [*(f"const {_state_c_type(f)}* {f}" for f in fields), *(f"{_state_c_type(f)}* out_{f}" for f in fields)]
+    )
+    names = ", ".join([*fields, *(f"out_{f}" for f in fields)])
+    load = "\n".join(f"    in.{f} = {f}[k];" for f in scalars)
+    store = "\n".join(f"    out_{f}[k] = next.{f};" for f in scalars)
+    length = config.history_len
+    return f"""
+#define AMPSCALE_FP8_STATE_PARAMS {params}
+#define AMPSCALE_FP8_STATE_ARGS {names}
+
+/* the loss scaler's flag codes: {FLAG_TRUE} true, {FLAG_BOOL} a bool in memory, {FLAG_FALSE} false */
+AMPSCALE_FN int {prefix}read_flag(const void* flag, long long kind) {{
+    if (kind == {FLAG_BOOL}) return *(const unsigned char*)flag != 0;
+    return kind == {FLAG_TRUE};
+}}
+
+/* slot k's update, and the step count on k == 0 */
+AMPSCALE_FN void {prefix}thread(long long k, AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float* fp8_max,
+                                const void* step_ok, long long step_ok_kind, unsigned char* updated, long long n) {{
+    if (k == 0) *out_steps = ampscale_increment(*steps);
+    if (k >= n) return;
+    struct {prefix}Slot in, next;
+{load}
+    const long long row = k * {length}LL;
+    const int u = {prefix}slot(&in, &next, history + row, out_history + row, amax[k], fp8_max[k],
+                               {prefix}read_flag(step_ok, step_ok_kind));
+{store}
+    if (updated) updated[k] = (unsigned char)(u != 0);
+}}
+"""

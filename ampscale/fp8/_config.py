@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -395,13 +396,13 @@ class Fp8Config:
         """The number of slots."""
         return len(self.slots)
 
-    @property
+    @functools.cached_property
     def slot_formats(self) -> tuple[str, ...]:
         """The FP8 format of each slot."""
         forward, backward = FORMAT_PAIRS[self.formats]
         return tuple(forward if role == "forward" else backward for role in self.roles)
 
-    @property
+    @functools.cached_property
     def slot_max(self) -> tuple[float, ...]:
         """The largest finite value of each slot's format."""
         return tuple(FORMATS[f] for f in self.slot_formats)

@@ -34,101 +34,63 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ampscale._codegen import C_PRELUDE
-from ampscale.fp8._codegen import FP8_C_PRELUDE, c_transition
-from ampscale.fp8._transition import SLOT_INT_FIELDS, Fp8Slot, Fp8State
+from ampscale.fp8._codegen import FLAG_BOOL, FLAG_FALSE, FLAG_TRUE, FP8_C_PRELUDE, c_state_update, c_transition
+from ampscale.fp8._transition import Fp8State
 
 if TYPE_CHECKING:
     from ampscale.fp8._config import Fp8Config
 
-__all__ = ["BLOCK", "KERNEL", "launch_arguments", "module_source"]
+__all__ = [
+    "BLOCK",
+    "FLAG_BOOL",
+    "FLAG_FALSE",
+    "FLAG_TRUE",
+    "KERNEL",
+    "launch_arguments",
+    "module_source",
+]
 
 #: the kernel's name, and its threads per block (one thread per slot)
 KERNEL = "ampscale_fp8_update"
 BLOCK = 128
-#: how a flag is passed (the codes of the loss scaler's kernels): true / a bool in memory / false
-FLAG_TRUE, FLAG_BOOL, FLAG_FALSE = 0, 1, 3
 _PREFIX = "ampscale_fp8_"
-_SLOT_FIELDS = tuple(f for f in Fp8Slot._fields if f != "history")
-
-
-def _c_type(field: str) -> str:
-    return "int" if field in SLOT_INT_FIELDS or field == "steps" else "float"
 
 
 @functools.lru_cache(maxsize=64)
 def module_source(config: Fp8Config) -> str:
-    """The CUDA module of ``config``: the preludes, the emitted transition, and the kernel.
+    """The CUDA module of ``config``: the preludes, the emitted transition, the per-slot update
+    on the state's arrays (:func:`~ampscale.fp8._codegen.c_state_update`), and the kernel.
 
     The kernel's parameters, all 8 bytes (pointers and ``long long``, so a launcher needs no
     signature): every field of :class:`~ampscale.fp8.Fp8State` in, every field out, ``amax``,
     ``fp8_max``, ``step_ok`` and its kind, ``updated`` (bytes, may be null) and ``n``.
     """
-    fields = Fp8State._fields
-    inputs = [f"const {_c_type(f)}* {f}" for f in fields]
-    outputs = [f"{_c_type(f)}* out_{f}" for f in fields]
-    params = ", ".join(
-        [
-            *inputs,
-            *outputs,
-            "const float* amax",
-            "const float* fp8_max",
-            "const void* step_ok",
-            "long long step_ok_kind",
-            "unsigned char* updated",
-            "long long n",
-        ]
+    params = (
+        "AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float* fp8_max, const void* step_ok, "
+        "long long step_ok_kind, unsigned char* updated, long long n"
     )
-    names = ", ".join(
-        [*fields, *(f"out_{f}" for f in fields), "amax", "fp8_max", "step_ok", "step_ok_kind", "updated", "n"]
-    )
-    length = config.history_len
-    load = "\n".join(f"    in.{f} = {f}[k];" for f in _SLOT_FIELDS)
-    store = "\n".join(f"    out_{f}[k] = next.{f};" for f in _SLOT_FIELDS)
+    names = "AMPSCALE_FP8_STATE_ARGS, amax, fp8_max, step_ok, step_ok_kind, updated, n"
     body = rf"""
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define AMPSCALE_FP8_KERNEL extern "C" __global__
-#else
-#define AMPSCALE_FP8_KERNEL static inline
-#endif
-
-/* the loss scaler's flag codes: 0 true, 1 a bool in memory, 3 false */
-AMPSCALE_FN int ampscale_fp8_read_flag(const void* flag, long long kind) {{
-    if (kind == {FLAG_BOOL}) return *(const unsigned char*)flag != 0;
-    return kind == {FLAG_TRUE};
-}}
-
-/* thread k of the launch: slot k's transition, and the step count on thread 0 */
-AMPSCALE_FN void ampscale_fp8_thread(long long k, {params}) {{
-    if (k == 0) *out_steps = ampscale_increment(*steps);
-    if (k >= n) return;
-    struct {_PREFIX}Slot in, next;
-{load}
-    const long long row = k * {length}LL;
-    const int u = {_PREFIX}slot(&in, &next, history + row, out_history + row, amax[k], fp8_max[k],
-                                ampscale_fp8_read_flag(step_ok, step_ok_kind));
-{store}
-    if (updated) updated[k] = (unsigned char)(u != 0);
-}}
-
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 extern "C" __global__ void {KERNEL}({params}) {{
-    ampscale_fp8_thread((long long)blockIdx.x * blockDim.x + threadIdx.x, {names});
+    {_PREFIX}thread((long long)blockIdx.x * blockDim.x + threadIdx.x, {names});
 }}
 #endif
 
 #ifdef AMPSCALE_HOST_TEST
 /* host harness (tests only): every thread of a launch of `grid` blocks, in turn */
 extern "C" void {KERNEL}_host(long long grid, {params}) {{
-    for (long long k = 0; k < grid * {BLOCK}LL; k++) ampscale_fp8_thread(k, {names});
+    for (long long k = 0; k < grid * {BLOCK}LL; k++) {_PREFIX}thread(k, {names});
 }}
 #endif
 """
     return "\n".join(
         [
-            f"// ampscale FP8 update for preset {config.preset!r}, {config.size} slots, history {length}",
+            f"// ampscale FP8 update for preset {config.preset!r}, {config.size} slots, history {config.history_len}",
             C_PRELUDE,
             FP8_C_PRELUDE,
             c_transition(config, prefix=_PREFIX),
+            c_state_update(config, prefix=_PREFIX),
             body,
         ]
     )
