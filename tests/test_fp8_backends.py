@@ -281,3 +281,38 @@ def test_donated_updates_write_one_value_per_slot_into_the_same_buffer(backend):
         changed = np.argwhere(after.view(np.uint32) != before.view(np.uint32))
         assert all(column == heads[row] for row, column in changed), f"step {t}: wrote {changed} (heads {heads})"
         assert_same(donated.state, pure.state, f"step {t}")
+
+
+@pytest.mark.parametrize("nan_rule", ["drop", "propagate"])
+def test_jax_window_max_equals_the_bit_rule_on_both_of_its_paths(nan_rule):
+    """JAX takes the window max with XLA's float ``max`` where every row's result is a positive
+    normal, inf or nan, and with the bit rule otherwise: both must equal NumPy's bits, under
+    ``jit`` and ``vmap`` (where ``lax.cond`` runs both), whatever the row holds."""
+    jax = pytest.importorskip("jax")
+    from ampscale.fp8._ops import make_ops
+
+    special = np.float32(
+        [0.0, -0.0, 1e-45, 1e-40, 1.1754942e-38, 1.1754944e-38, 3e-38, 1.0, 448.0, np.inf, -np.inf, -1.0, -1e-40]
+    )
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345], np.uint32).view(np.float32)
+    rng = np.random.default_rng(7)
+    pool = np.concatenate([special, nans])
+    unsure = rng.choice(pool, size=(64, 5))  # zeros, subnormals, negatives: the bit rule
+    unsure[:4] = np.float32(
+        [
+            [3e-39, 1e-45, 0.0, -1.0, 1e-40],
+            [1e-40, 3e-39, -0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, -0.0, 1e-45],
+            [-1.0, -2.0, 3e-39, 1.1754942e-38, 1e-40],
+        ]
+    )
+    sure = unsure.copy()
+    sure[:, 0] = rng.choice(np.concatenate([np.float32([1.5, 3e-38, 2.0**-126, np.inf]), nans]), size=64)
+    numpy_ops, jax_ops = make_ops("numpy"), make_ops("jax")
+    jitted = jax.jit(lambda bits: jax_ops.window_max(bits, nan_rule))
+    mapped = jax.jit(jax.vmap(lambda row: jax_ops.window_max(row[None], nan_rule)[0]))
+    for history in (sure, unsure, np.concatenate([sure, unsure[:1]])):
+        want = numpy_ops.window_max(history, nan_rule).view(np.uint32)
+        bits = jax_ops.enter(history)
+        for got in (jitted(bits), mapped(bits)):
+            assert (np.asarray(jax_ops.leave(got)).view(np.uint32) == want).all(), history

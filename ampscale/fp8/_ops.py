@@ -548,6 +548,27 @@ class _JaxBitsOps(Fp8ArrayOps):
     def is_zero(self, x: Any) -> Any:
         return _exact.is_zero(x, self.xp)
 
+    def window_max(self, history: Any, nan_rule: str) -> Any:
+        """The bit rule's window max (:meth:`Fp8ArrayOps.window_max`), with XLA's float ``max``
+        first: an integer max over ``[N, L]`` is not vectorised on XLA's CPU (about 10x slower
+        than the float one over 1024 x 2000 values).
+
+        The float max is exact wherever the row's result is a positive normal number, inf or
+        NaN: a normal maximum outranks every subnormal whether or not they are flushed, and XLA's
+        ``max`` propagates NaN. Only where some row's result is 0, negative or subnormal (an
+        unused slot, a history of zeros, an amax below 2**-126) does the bit rule run instead,
+        for every row (one ``lax.cond``; both run under ``vmap``)."""
+        xp = self.xp
+        values = self.leave(history)
+        if nan_rule == "drop":
+            values = xp.where(xp.isnan(values), xp.float32(0.0), values)
+        top = self.enter(xp.max(values, axis=-1))
+        nan = self.isnan(top)
+        # a positive normal or inf (bits 0x00800000..0x7F800000), or a nan of either sign
+        sure = xp.all(((top >= 0x00800000) & (top <= 0x7F800000)) | nan)
+        fast = xp.where(nan, self.f32(math.nan), top)
+        return self._lax.cond(sure, lambda: fast, lambda: super(_JaxBitsOps, self).window_max(history, nan_rule))
+
     def positive(self, x: Any) -> Any:
         return (x > 0) & (x <= 0x7F800000)
 
