@@ -20,7 +20,8 @@ Rows are compared within their group, each with its own anchor on the same data:
   over every tensor then ``amax_to_scale`` of the stacked amaxes;
 * **flax**: ``fp8.amax`` + ``Fp8Scaler.update`` with the ``flax`` preset (history of 1024),
   one jitted call, against flax's ``fp8_ops.update_fp8_meta`` for every tensor in one jitted
-  call (its history of 1024 rolled per tensor).
+  call (its history of 1024 rolled per tensor); both donate their state, as a training step's
+  ``jit`` does.
 
 On a GPU (torch CUDA, CuPy; ``--gpu-only`` keeps only these), timed with CUDA events:
 
@@ -35,6 +36,7 @@ Launches per step are counted by the profiler (1 for each ampscale row).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -154,7 +156,9 @@ def jax_cases(workload: str, arrays: list[np.ndarray]) -> list[Case]:
     amax(leaves)
     chosen = _fused_jax.last_lowering() or ""
     scaler = fp8.create_fp8_scaler("flax", slots=len(leaves), backend="jax")
-    step = jax.jit(lambda s, x: s.update(fp8.amax(x)))
+    # the state donated, as a training step's jit donates it (the history's one new value per
+    # slot is then written in place); flax's metadata below is donated the same way
+    step = jax.jit(lambda s, x: s.update(fp8.amax(x)), donate_argnums=0)
     holder = {"scaler": step(scaler, leaves)}
 
     def bookkeeping(i: int) -> None:
@@ -187,7 +191,7 @@ def jax_cases(workload: str, arrays: list[np.ndarray]) -> list[Case]:
 
         length = scaler.config.history_len
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(1, 2))
         def flax_step(x: list[Any], scales: list[Any], histories: list[Any]) -> tuple[list[Any], list[Any]]:
             meta = zip(x, scales, histories, strict=True)
             updated = [fp8_ops.update_fp8_meta(t, jnp.float8_e4m3fn, s, h) for t, s, h in meta]

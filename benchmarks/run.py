@@ -548,6 +548,27 @@ TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
         3.0,
     ),
     ("jax", "W0", "ampscale jax (jit, donated)", "us", 50.0),
+    # FP8 bookkeeping (benchmarks/rows_fp8.py): the amax against L, the whole bookkeeping of a
+    # step against the fastest form of each anchor on the same data
+    *(("fp8", "FP8-W1", f"ampscale fp8.amax, {where}", "L", 0.80) for where in ("numpy", "torch CPU", "jax jit")),
+    *(
+        ("fp8", workload, "ampscale amax + update, torch CPU (torchao_tensorwise)", f"fp8: {anchor}", goal)
+        for workload, goal in (("FP8-W1", 5.0), ("FP8-W2", 10.0))
+        for anchor in (
+            "torchao tensor_to_amax + amax_to_scale per tensor",
+            "torchao FSDP precompute: _foreach_norm(inf) + amax_to_scale",
+        )
+    ),
+    *(
+        (
+            "fp8",
+            workload,
+            "ampscale amax + update, jax jit (flax preset, history 1024)",
+            "fp8: flax fp8_ops.update_fp8_meta per tensor, jit (history 1024)",
+            goal,
+        )
+        for workload, goal in (("FP8-W1", 5.0), ("FP8-W2", 10.0))
+    ),
 )
 
 
