@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ampscale.backends._base import Backend
 
-__all__ = ["checked_update", "check_before_the_step"]
+__all__ = ["Watched", "check_before_the_step", "checked_update"]
 
 
 class _Identity(NamedTuple):
@@ -117,33 +117,67 @@ def _remember(backend: Backend, identity: _Identity | None) -> None:
     _CHECKED[key] = (identity.cells, owner_ref)
 
 
-def _named_leaves(backend: Backend, params: Any, opt_state: Any) -> list[tuple[str, Any]]:
-    """The arrays ``update_fn`` must not write: every leaf of ``params`` and ``opt_state`` the
-    backend owns, with a readable path (``params[0]``, ``opt_state['m'][1]``)."""
-    named: list[tuple[str, Any]] = []
-    for prefix, tree in (("params", params), ("opt_state", opt_state)):
-        leaves, spec = backend.flatten(tree)
-        paths = backend.leaf_paths(spec) if leaves else []
-        named += [(prefix + ("" if path == "<root>" else path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
-    return [(name, leaf) for name, leaf in named if backend.owns(leaf)]
+class Watched:
+    """``params`` and ``opt_state`` as ``Scaler.step`` hands them to its checks and its select:
+    each tree flattened once, when first needed, and the arrays ``update_fn`` must not write."""
+
+    __slots__ = ("_flat", "_named", "backend", "opt_state", "params")
+
+    def __init__(self, backend: Backend, params: Any, opt_state: Any) -> None:
+        self.backend = backend
+        self.params = params
+        self.opt_state = opt_state
+        self._flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None
+        self._named: list[tuple[str, Any]] | None = None
+
+    def flat(self) -> tuple[tuple[list[Any], Any], tuple[list[Any], Any]]:
+        """``((leaves, spec) of params, (leaves, spec) of opt_state)``."""
+        if self._flat is None:
+            self._flat = (self.backend.flatten(self.params), self.backend.flatten(self.opt_state))
+        return self._flat
+
+    def named(self) -> list[tuple[str, Any]]:
+        """Every leaf of ``params`` and ``opt_state`` the backend owns, with a readable path
+        (``params[0]``, ``opt_state['m'][1]``)."""
+        if self._named is None:
+            backend = self.backend
+            named: list[tuple[str, Any]] = []
+            for prefix, (leaves, spec) in zip(("params", "opt_state"), self.flat(), strict=True):
+                paths = backend.leaf_paths(spec) if leaves else []
+                named += [
+                    (prefix + ("" if path == "<root>" else path), leaf)
+                    for path, leaf in zip(paths, leaves, strict=True)
+                ]
+            self._named = [(name, leaf) for name, leaf in named if backend.owns(leaf)]
+        return self._named
 
 
 def check_before_the_step(
-    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, grads: Any, opt_state: Any
+    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    backend: Backend,
+    params: Any,
+    grads: Any,
+    opt_state: Any,
+    *,
+    watched: Watched | None = None,
+    flat_grads: tuple[list[Any], Any] | None = None,
 ) -> None:
     """Run ``update_fn`` once on copies the first time it is seen, and refuse it
     (:class:`InPlaceUpdateError`) if it writes into the copies of ``params`` or ``opt_state``
     (or, where writes cannot be seen, returns them). Nothing real is read or written but the
-    arrays' values, copied."""
+    arrays' values, copied. ``watched`` and ``flat_grads``: the trees as the caller has
+    flattened them already (``Scaler.step`` flattens each tree once)."""
     identity = _identity(update_fn)
     if identity is not None and _known(backend, identity):
         if _RECHECKS:
             _RECHECKS.pop(identity.code, None)
         return
+    if watched is None:
+        watched = Watched(backend, params, opt_state)
     copies: dict[int, Any] = {}
 
-    def copied(tree: Any) -> Any:
-        leaves, spec = backend.flatten(tree)
+    def copied(flat: tuple[list[Any], Any]) -> Any:
+        leaves, spec = flat
         out = []
         for leaf in leaves:
             if backend.owns(leaf):
@@ -155,10 +189,12 @@ def check_before_the_step(
                 out.append(leaf)
         return backend.unflatten(spec, out)
 
-    named = _named_leaves(backend, params, opt_state)
-    params_copy, opt_state_copy, grads_copy = copied(params), copied(opt_state), copied(grads)
-    watched = [copies[id(leaf)] for _, leaf in named]
-    with backend.guard_writes(watched) as guard:
+    named = watched.named()
+    flat_params, flat_opt_state = watched.flat()
+    params_copy, opt_state_copy = copied(flat_params), copied(flat_opt_state)
+    grads_copy = copied(backend.flatten(grads) if flat_grads is None else flat_grads)
+    guarded = [copies[id(leaf)] for _, leaf in named]
+    with backend.guard_writes(guarded) as guard:
         try:
             out = update_fn(params_copy, grads_copy, opt_state_copy)
         except Exception as exc:
@@ -174,11 +210,11 @@ def check_before_the_step(
             raise
     written = guard.written()
     if written is None:  # the backend cannot see writes: compare the copies with the originals
-        written = [i for i, (_, leaf) in enumerate(named) if not backend.same_bits(leaf, watched[i])]
+        written = [i for i, (_, leaf) in enumerate(named) if not backend.same_bits(leaf, guarded[i])]
     if written:
         raise InPlaceUpdateError(_message(backend, "wrote into", named, written, before=True))
     if not guard.exact:
-        returned = _returned(backend, out, watched)
+        returned = _returned(backend, out, guarded)
         if returned:
             raise InPlaceUpdateError(_message(backend, "returned", named, returned, before=True))
     _remember(backend, identity)
@@ -195,16 +231,21 @@ def _returned(backend: Backend, out: Any, watched: list[Any]) -> list[int]:
 
 
 def checked_update(
-    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, opt_state: Any
+    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    backend: Backend,
+    params: Any,
+    opt_state: Any,
+    *,
+    watched: Watched | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """``update_fn``, refusing (:class:`InPlaceUpdateError`) a call that writes into ``params``
     or ``opt_state``, or, where the backend cannot see writes, returns them: the watch on every
     real call, after :func:`check_before_the_step`."""
-    named = _named_leaves(backend, params, opt_state)
-    watched = [leaf for _, leaf in named]
+    named = (Watched(backend, params, opt_state) if watched is None else watched).named()
+    guarded = [leaf for _, leaf in named]
 
     def run(p: Any, g: Any, s: Any) -> tuple[Any, Any]:
-        with backend.guard_writes(watched) as guard:
+        with backend.guard_writes(guarded) as guard:
             try:
                 out = update_fn(p, g, s)
             except Exception as exc:
@@ -214,8 +255,8 @@ def checked_update(
         written = guard.written()
         if written:
             raise InPlaceUpdateError(_message(backend, "wrote into", named, written))
-        if written is None and watched:
-            returned = _returned(backend, out, watched)
+        if written is None and guarded:
+            returned = _returned(backend, out, guarded)
             if returned:
                 raise InPlaceUpdateError(_message(backend, "returned", named, returned))
         return out  # type: ignore[no-any-return]

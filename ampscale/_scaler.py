@@ -17,11 +17,12 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ampscale import _tree
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
-from ampscale._in_place import check_before_the_step, checked_update
-from ampscale.backends import backend_of, backend_of_leaves, get_backend
+from ampscale._in_place import Watched, check_before_the_step, checked_update
+from ampscale.backends import backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
 from ampscale.backends._base import name_leaves, when_adapter_ready
 
 if TYPE_CHECKING:
@@ -259,24 +260,39 @@ class Scaler:
             false if the loss or any gradient held inf or nan; with ``underflow=True``,
             ``(grads, finite, underflow_fraction)``.
         """
-        grads, finite, _loss_finite, _backend = self._unscale(grads, loss, axis_name, underflow)
+        backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
+        grads, finite, _loss_finite, _backend = self._unscale(
+            grads, loss, axis_name, underflow, backend=backend, flat=(leaves, spec)
+        )
         if underflow:
             grads, fraction = grads
             return grads, finite, fraction
         return grads, finite
 
-    def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
-        """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss."""
+    def _unscale(
+        self,
+        grads: Any,
+        loss: Any,
+        axis_name: Any,
+        underflow: bool = False,
+        *,
+        backend: Backend | None = None,
+        flat: tuple[list[Any], Any] | None = None,
+    ) -> tuple[Any, Any, Any, Backend]:
+        """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss.
+
+        ``backend`` and ``flat``: what :func:`~ampscale.backends.flatten_tree` returned for
+        ``grads``, where the caller has it (otherwise the tree is flattened here).
+        """
         config = self._config
-        backend = self._backend
-        if backend is None:
-            probe = _probe_leaves(grads)
-            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
-        leaves, spec = backend.flatten(grads)
+        if backend is None or flat is None:
+            backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
+        else:
+            leaves, spec = flat
         try:
             dtypes = backend.validate(leaves, spec)
             if not leaves:
-                if _holds_none(grads):
+                if _tree.holds_none(grads):
                     warnings.warn(
                         "every gradient in the tree is None (no array at all): was backward() not called, or "
                         "were the gradients cleared before unscale? The step counts as finite and updates nothing",
@@ -486,28 +502,34 @@ class Scaler:
         """
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False; got {in_place!r}")
-        backend = self._backend
-        if backend is None:
-            probe = _probe_leaves(grads)
-            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
+        # every tree is flattened once: the gradients here, params and opt_state when first needed
+        backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
         if in_place and not backend.mutable_arrays:
             raise TypeError(
                 f"in_place=True writes into the parameters, which {backend.name} arrays do not allow: "
                 "use a functional update_fn (in_place=False)"
             )
+        watched = None
         if not in_place and backend.mutable_arrays:
             # a new update_fn runs once on copies first: one written in place is refused before
             # anything changes (its first real call, on a device, would write an overflowed step)
-            check_before_the_step(update_fn, backend, params, grads, opt_state)
-        grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
+            watched = Watched(backend, params, opt_state)
+            check_before_the_step(
+                update_fn, backend, params, grads, opt_state, watched=watched, flat_grads=(leaves, spec)
+            )
+        grads, finite, loss_finite, backend = self._unscale(
+            grads, loss, axis_name, backend=backend, flat=(leaves, spec)
+        )
         try:
             if in_place:
                 new_params, new_opt_state = backend.apply_in_place(finite, update_fn, params, grads, opt_state)
+            elif watched is None:  # JAX arrays cannot be written: nothing to check
+                new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
             else:
-                checked = update_fn
-                if backend.mutable_arrays:  # JAX arrays cannot be written: nothing to check
-                    checked = checked_update(update_fn, backend, params, opt_state)
-                new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state)
+                checked = checked_update(update_fn, backend, params, opt_state, watched=watched)
+                new_params, new_opt_state = backend.apply_if(
+                    finite, checked, params, grads, opt_state, flat=watched.flat()
+                )
         except Exception as exc:
             _note_unscaled(exc, backend)
             raise
@@ -611,6 +633,10 @@ class Scaler:
         return Scaler(config, backend.make_state(values, config, like), backend, float(values.scale))
 
 
+#: ``ampscale.fp8._combined`` finds a tree's backend with this name (``flatten_tree`` does it
+#: with one flatten: the way to go there too)
+_probe_leaves = probe_leaves
+
 #: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
 _set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
 
@@ -636,17 +662,6 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
-
-
-def _holds_none(tree: Any) -> bool:
-    """Whether a tree with no array leaf holds a ``None`` (a gradient never computed)."""
-    if tree is None:
-        return True
-    if isinstance(tree, dict):
-        return any(_holds_none(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_holds_none(item) for item in tree)
-    return False
 
 
 #: whether the float16-kept warning was shown in this process
@@ -714,28 +729,6 @@ def _check_flag(flag: Any, name: str) -> None:
     name_of = str(getattr(dtype, "name", dtype))
     if kind != "b" and "bool" not in name_of:
         raise TypeError(f"{name} must be boolean; got dtype {name_of}")
-
-
-def _probe_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree``, to detect its backend, the same whether or not JAX is imported.
-
-    Plain containers are flattened by ampscale itself (JAX would sort dict keys, and fail on
-    ``{1: a, "b": b}``); only an object that is no array of any backend is handed to JAX, if it
-    is imported, in case it is a registered pytree (a flax struct, an optax state, ...).
-    """
-    from ampscale import _tree
-
-    leaves = _tree.flatten(tree)[0]
-    jax = sys.modules.get("jax")
-    if jax is None or all(backend_of(leaf) is not None for leaf in leaves):
-        return leaves
-    out = []
-    for leaf in leaves:
-        if backend_of(leaf) is None:
-            out.extend(jax.tree_util.tree_leaves(leaf))
-        else:
-            out.append(leaf)
-    return out
 
 
 class _PendingScaler(Scaler):
@@ -884,11 +877,7 @@ def all_finite(tree: Any, *, backend: Any = None) -> Any:
         >>> bool(ampscale.all_finite({"w": np.ones(3), "b": np.array([1.0, np.inf])}))
         False
     """
-    if backend is not None:
-        resolved = get_backend(backend)
-    else:
-        resolved = backend_of_leaves(_probe_leaves(tree), "leaves") or get_backend("numpy")
-    leaves, spec = resolved.flatten(tree)
+    resolved, leaves, spec = flatten_tree(tree, None if backend is None else get_backend(backend), what="leaves")
     try:
         resolved.validate(leaves, spec, "leaf")
         if not leaves:
@@ -960,9 +949,7 @@ def masked_copy_(finite: Any, targets: Any, values: Any) -> Any:
 def _masked_arguments(finite: Any, targets: Any, others: Any, name: str) -> tuple[Backend, list[Any], list[Any]]:
     """Validate a masked update's arguments before anything changes."""
     _check_flag(finite, "finite")
-    probe = _probe_leaves(targets)
-    backend = backend_of_leaves(probe, "targets") or get_backend("numpy")
-    target_leaves, spec = backend.flatten(targets)
+    backend, target_leaves, spec = flatten_tree(targets, what="targets")
     other_leaves, other_spec = backend.flatten(others)
     backend.validate(target_leaves, spec, "target")
     backend.validate(other_leaves, other_spec, name[:-1])

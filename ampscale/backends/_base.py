@@ -535,6 +535,12 @@ class Backend(abc.ABC):
         return False
 
     # -- control flow and agreement --------------------------------------------------------
+    def host_flag(self, finite: Any) -> bool | None:
+        """The value of a step's flag where reading it costs no sync (it is in host memory),
+        else ``None``: :meth:`apply_if` and :meth:`apply_in_place` then skip an overflowed
+        step without calling ``update_fn``. The default: a flag on a device."""
+        return None
+
     def apply_if(
         self,
         finite: Any,
@@ -542,17 +548,26 @@ class Backend(abc.ABC):
         params: Any,
         grads: Any,
         opt_state: Any,
+        *,
+        flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None,
     ) -> tuple[Any, Any]:
         """Return ``update_fn(params, grads, opt_state)`` if ``finite``, else the inputs unchanged.
 
-        The default computes the update and selects leaf by leaf with ``where``: no host branch,
-        and on a skipped step the returned leaves equal the inputs bitwise. ``update_fn`` must
-        then be functional (return new arrays, not modify its inputs).
+        A flag in host memory (:meth:`host_flag`) decides in Python: no work on a skipped step.
+        A flag on a device: the update is computed and selected leaf by leaf with ``where``, no
+        host branch, and on a skipped step the returned leaves equal the inputs bitwise;
+        ``update_fn`` must then be functional (return new arrays, not modify its inputs).
+        ``flat``: ``params`` and ``opt_state`` as :meth:`flatten` returns them, where the
+        caller has them (each tree is flattened once per step).
         """
+        on_host = self.host_flag(finite)
+        if on_host is not None:
+            return update_fn(params, grads, opt_state) if on_host else (params, opt_state)
         new_params, new_opt_state = update_fn(params, grads, opt_state)
+        flat_params, flat_opt_state = (None, None) if flat is None else flat
         return (
-            self.select_tree(finite, new_params, params),
-            self.select_tree(finite, new_opt_state, opt_state),
+            self.select_tree(finite, new_params, params, flat_params),
+            self.select_tree(finite, new_opt_state, opt_state, flat_opt_state),
         )
 
     def apply_in_place(
@@ -565,9 +580,12 @@ class Backend(abc.ABC):
     ) -> tuple[Any, Any]:
         """``update_fn(params, grads, opt_state, finite)``: an update that writes in place and
         takes the flag, applying itself only where it is true (:func:`ampscale.masked_add_`),
-        as torch's fused optimizers take ``found_inf``. The default calls it on every step, with
-        the flag on the device (no sync); host backends do not call it on an overflow.
+        as torch's fused optimizers take ``found_inf``. Called on every step with a flag on a
+        device (no sync); not called on an overflow where the flag is in host memory
+        (:meth:`host_flag`).
         """
+        if self.host_flag(finite) is False:
+            return params, opt_state
         return update_fn(params, grads, opt_state, finite)
 
     @contextlib.contextmanager
@@ -610,11 +628,14 @@ class Backend(abc.ABC):
         for target, value in zip(targets, values, strict=True):
             target[...] = xp.where(flag, _as_dtype(xp, value, target.dtype), target)
 
-    def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
-        """``where(condition, a, b)`` leaf by leaf over two trees of the same structure."""
+    def select_tree(
+        self, condition: Any, on_true: Any, on_false: Any, flat_on_false: tuple[list[Any], Any] | None = None
+    ) -> Any:
+        """``where(condition, a, b)`` leaf by leaf over two trees of the same structure
+        (``flat_on_false``: ``on_false`` flattened already)."""
         xp = self.namespace()
         true_leaves, spec = self.flatten(on_true)
-        false_leaves, _ = self.flatten(on_false)
+        false_leaves = self.flatten(on_false)[0] if flat_on_false is None else flat_on_false[0]
         if len(true_leaves) != len(false_leaves):
             raise ValueError(
                 f"update_fn returned a tree with {len(true_leaves)} leaves for one with "

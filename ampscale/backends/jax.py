@@ -304,6 +304,8 @@ class JaxBackend(Backend):
         params: Any,
         grads: Any,
         opt_state: Any,
+        *,
+        flat: Any = None,
     ) -> tuple[Any, Any]:
         if not isinstance(finite, jax.core.Tracer):
             # Eager: lax.cond would trace and compile both branches on every call (its cache is
@@ -311,7 +313,7 @@ class JaxBackend(Backend):
             # instead runs the update op by op and selects leaf by leaf (select_tree): no
             # compilation, no host read, and on a skipped step the returned leaves equal the
             # inputs bitwise. Like cond, this returns every leaf as an array.
-            return super().apply_if(finite, update_fn, params, grads, opt_state)
+            return super().apply_if(finite, update_fn, params, grads, opt_state, flat=flat)
         # lax.cond: the update is not computed on an overflowing step (a select under vmap);
         # the skipped branch returns the inputs themselves, bitwise.
         result: tuple[Any, Any] = jax.lax.cond(
@@ -324,7 +326,7 @@ class JaxBackend(Backend):
         )
         return result
 
-    def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
+    def select_tree(self, condition: Any, on_true: Any, on_false: Any, flat_on_false: Any = None) -> Any:
         # eagerly one cached computation per tree structure, rather than a dispatch per leaf
         select = _select if isinstance(condition, jax.core.Tracer) else _select_jit
         return select(condition, on_true, on_false)

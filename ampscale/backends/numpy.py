@@ -36,7 +36,7 @@ from ampscale.backends._base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
 _native: Any
 try:
@@ -264,30 +264,8 @@ class NumpyBackend(Backend):
         # every step's. A 0-d array is a new object per step, and still a 0-d bool array.
         return np.array(finite)
 
-    def apply_if(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        # Host memory: the flag is already here, so a skipped step does no work at all.
-        if bool(finite):
-            return update_fn(params, grads, opt_state)
-        return params, opt_state
-
-    def apply_in_place(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        if bool(finite):
-            return update_fn(params, grads, opt_state, finite)
-        return params, opt_state
+    def host_flag(self, finite: Any) -> bool:
+        return bool(finite)  # host memory: a skipped step does no work at all
 
     def copy_leaf(self, leaf: Any) -> Any:
         return leaf.copy()

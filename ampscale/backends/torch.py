@@ -1343,32 +1343,9 @@ class TorchBackend(Backend, CudaStep):
             return value if value.dtype == torch.bool else value.to(torch.bool)
         return torch.tensor(bool(value), device=self.device_of(like))
 
-    def apply_if(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        if _is_cpu(finite):
-            # On the CPU the flag is host memory: no sync, and no work on a skipped step.
-            if bool(finite):
-                return update_fn(params, grads, opt_state)
-            return params, opt_state
-        return super().apply_if(finite, update_fn, params, grads, opt_state)
-
-    def apply_in_place(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        if _is_cpu(finite) and not bool(finite):  # host memory: no work on a skipped step
-            return params, opt_state
-        return update_fn(params, grads, opt_state, finite)
+    def host_flag(self, finite: Any) -> bool | None:
+        # on the CPU the flag is host memory: no sync, and no work on a skipped step
+        return bool(finite) if _is_cpu(finite) else None
 
     def copy_leaf(self, leaf: Any) -> Any:
         return leaf.detach().clone()
