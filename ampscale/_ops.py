@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ampscale._config import ScalerConfig
 
-__all__ = ["ArrayOps", "HostOps", "PlainNamespace"]
+__all__ = ["ArrayOps", "HostOps", "PlainNamespace", "host_ops"]
 
 
 class HostOps:
@@ -163,6 +163,15 @@ class HostOps:
         if candidate < c.min_value:  # 0 included: the floor is positive
             candidate = c.min_value
         return self.scale_type(candidate)
+
+
+def host_ops(config: ScalerConfig) -> HostOps:
+    """The :class:`HostOps` of ``config``, made once and kept on it (compiling the transition
+    costs far more than a step; every host backend and the drop-ins share one)."""
+    ops = config._cache.get("host")
+    if ops is None:
+        ops = config._cache["host"] = HostOps(config)
+    return ops  # type: ignore[no-any-return]
 
 
 class ArrayOps:

@@ -22,6 +22,7 @@ from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, 
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale._in_place import Watched, check_before_the_step, checked_update
+from ampscale._ops import host_ops
 from ampscale.backends import backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
 from ampscale.backends._base import name_leaves, when_adapter_ready
 
@@ -211,13 +212,8 @@ class Scaler:
         """The bound after one more update whose outcome the host does not know: one backoff."""
         if floor is None or not self._config.dynamic:
             return floor
-        from ampscale._ops import HostOps
-
-        ops = self._config._cache.get("host")
-        if ops is None:
-            ops = self._config._cache["host"] = HostOps(self._config)
         # shrink() is monotone and never above its argument, and growth never lowers the scale
-        return float(ops.shrink(floor))
+        return float(host_ops(self._config).shrink(floor))
 
     # -- the scale interface ------------------------------------------------------------
     def scale(self, loss: Any) -> Any:

@@ -33,7 +33,7 @@ from ampscale._config import (
 from ampscale._core import ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, StateDictError
 from ampscale._native.cuda._packed import FLAG_BAD_BOOL, FLAG_FALSE, FLAG_FOUND_INF, FLAG_TRUE, PackedState
-from ampscale._ops import HostOps
+from ampscale._ops import HostOps, host_ops
 from ampscale._scaler import Scaler, _PendingScaler
 from ampscale._state_dict import check_scale, from_state_dict, to_state_dict
 from ampscale.backends import torch as _torch_backend
@@ -984,8 +984,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         ops = self._host_ops
         config = self._config
         if ops is None or ops.config is not config:
-            ops = self._host_ops = config._cache.get("host") or HostOps(config)
-            config._cache["host"] = ops
+            ops = self._host_ops = host_ops(config)
         return ops
 
     def _lowest_after_update(self, scale: float) -> float:

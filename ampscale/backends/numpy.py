@@ -23,7 +23,7 @@ import numpy as np
 from ampscale._config import ScalerConfig
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._errors import PerformanceWarning
-from ampscale._ops import HostOps
+from ampscale._ops import HostOps, host_ops
 from ampscale.backends._base import (
     Backend,
     ReadOnlyGuard,
@@ -233,10 +233,7 @@ class NumpyBackend(Backend):
         return ScalerState._make([t(v) for v, t in zip(state, _field_types(config), strict=True)])
 
     def ops(self, config: ScalerConfig, state: ScalerState) -> HostOps:
-        ops = config._cache.get("host")
-        if ops is None:
-            ops = config._cache["host"] = HostOps(config)
-        return ops  # type: ignore[no-any-return]
+        return host_ops(config)
 
     def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
         scaled = loss * np.float32(scale)

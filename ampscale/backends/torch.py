@@ -59,7 +59,7 @@ from ampscale._native.cuda._packed import (
     encode,
     offset_of,
 )
-from ampscale._ops import ArrayOps, HostOps, PlainNamespace
+from ampscale._ops import ArrayOps, HostOps, PlainNamespace, host_ops
 from ampscale.backends._base import (
     Backend,
     WriteGuard,
@@ -1139,10 +1139,7 @@ class TorchBackend(Backend, CudaStep):
         if isinstance(state, PackedState):
             return None  # type: ignore[return-value] # run_transition launches the emitted C
         if self.host(state):
-            ops = config._cache.get("host")
-            if ops is None:
-                ops = config._cache["host"] = HostOps(config)
-            return ops  # type: ignore[no-any-return]
+            return host_ops(config)
         device = state.scale.device
         key = f"torch:{device}"
         ops = config._cache.get(key)
