@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale import _tree
+from ampscale._after_import import when_imported
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
@@ -857,7 +855,7 @@ def create_scaler(
     )
     resolved = None if backend is None else get_backend(backend)
     if resolved is None:
-        return Scaler(config)  # a pytree for JAX whenever JAX is imported (register_with_jax)
+        return Scaler(config)  # a pytree for JAX whenever JAX is imported (_register_with_jax)
     state = None if resolved.lazy_state else resolved.make_state(initial_values(config), config)
     return Scaler(config, state, resolved, config.initial_scale)
 
@@ -963,50 +961,14 @@ def _masked_arguments(finite: Any, targets: Any, others: Any, name: str) -> tupl
     return backend, target_leaves, other_leaves
 
 
-def register_with_jax() -> None:
-    """Make :class:`Scaler` a JAX pytree as soon as JAX is imported, before or after ampscale.
-
-    A scaler created before ``import jax`` can then be passed to ``jax.jit`` all the same. JAX
-    is never imported here: if it is not imported yet, a one-shot import hook registers the
-    pytree right after ``import jax`` completes.
-    """
-    if "jax" in sys.modules:
-        _register_now()
-        return
-    if not any(isinstance(finder, _JaxImportHook) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _JaxImportHook())
-
-
-def _register_now() -> None:
+def _register_with_jax(jax: Any) -> None:
+    """Make :class:`Scaler` a JAX pytree (called as soon as JAX is imported, before or after
+    ampscale), so that a scaler created before ``import jax`` passes through ``jax.jit``."""
     try:
         get_backend("jax")  # the adapter registers the Scaler classes with jax.tree_util
     except Exception:  # a JAX the adapter cannot use: its first use will say why
         return
 
 
-class _JaxImportHook(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register_now` once, right after the module ``jax`` has been executed."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "jax":
-            return None
-        try:
-            sys.meta_path.remove(self)  # one shot, and find the real spec with the other finders
-        except ValueError:  # another thread's import of jax got here first
-            return None
-        spec = importlib.util.find_spec("jax")
-        loader = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            _register_now()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 when_adapter_ready(lambda backend: backend.adopt_scaler(Scaler, _PendingScaler))
-register_with_jax()
+when_imported("jax", _register_with_jax)

@@ -58,11 +58,12 @@ try:
 except ModuleNotFoundError as exc:  # say what to install, not only what is missing
     raise missing_framework(__name__, exc) from exc
 
+from ampscale._after_import import when_imported
 from ampscale._config import _UNSET, INT32_MAX, INT32_MIN, _round_to, make_config, shown
 from ampscale._core import INT_FIELDS, ScalerState, initial_values, transition
 from ampscale._errors import ScaleAtFloorError
 from ampscale._scaler import TRACED_FLOOR_ERRORS, Scaler
-from ampscale.backends.jax import BACKEND, restore_fields, when_imported
+from ampscale.backends.jax import BACKEND, restore_fields
 
 __all__ = [
     "DynamicLossScale",

@@ -20,7 +20,14 @@ PACKAGE = ROOT / "ampscale"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("ampscale._errors", "ampscale._config", "ampscale._tree", "ampscale._version", "ampscale.fp8._config"),
+        (
+            "ampscale._errors",
+            "ampscale._config",
+            "ampscale._tree",
+            "ampscale._after_import",
+            "ampscale._version",
+            "ampscale.fp8._config",
+        ),
     ),
     ("state machine", ("ampscale._core", "ampscale.fp8._transition")),
     ("code generator", ("ampscale._codegen",)),

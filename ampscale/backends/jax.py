@@ -25,16 +25,13 @@ shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
-import sys
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ampscale._after_import import when_imported
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps, PlainNamespace
@@ -434,55 +431,6 @@ def restore_fields(serialization: Any, owner: str, template: dict[str, Any], sta
             f"{owner} at path {serialization.current_path()}"
         )
     return out
-
-
-def when_imported(name: str, callback: Callable[[Any], None]) -> None:
-    """Call ``callback(module)`` now if the module ``name`` is imported, else right after its
-    first import (a one-shot import hook): ampscale never imports flax itself."""
-    module = sys.modules.get(name)
-    if module is not None:
-        callback(module)
-        return
-    with _hooks_lock:
-        for finder in sys.meta_path:
-            if isinstance(finder, _AfterImport) and finder.name == name:
-                finder.callbacks.append(callback)
-                return
-        sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
-_hooks_lock = threading.Lock()
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs callbacks once, right after the module ``name`` has been executed."""
-
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
-        self.name = name
-        self.callbacks = [callback]
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        with _hooks_lock:
-            try:
-                sys.meta_path.remove(self)  # one shot; the real spec comes from the other finders
-            except ValueError:
-                return None
-        spec = importlib.util.find_spec(fullname)
-        loader = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-        callbacks = self.callbacks
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            for callback in callbacks:
-                callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def axis_names(group: Any) -> tuple[Any, ...]:
