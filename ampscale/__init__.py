@@ -43,8 +43,9 @@ from ampscale._errors import (
     ScaleAtFloorWarning,
     StateDictError,
 )
+from ampscale._functional import all_finite, masked_add_, masked_copy_
 from ampscale._info import info
-from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler, masked_add_, masked_copy_
+from ampscale._scaler import Scaler, StepOutcome, create_scaler
 from ampscale._state_dict import FORMAT_VERSION
 from ampscale._version import __version__
 from ampscale.backends import available_backends, get_backend

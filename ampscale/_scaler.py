@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ampscale import _tree
 from ampscale._after_import import when_imported
-from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
+from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
 from ampscale._in_place import Watched, check_before_the_step, checked_update
 from ampscale._ops import host_ops
-from ampscale.backends import backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
-from ampscale.backends._base import name_leaves, when_adapter_ready
+from ampscale.backends import _base, backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
+from ampscale.backends._base import WIDE_DTYPES, check_flag, check_loss, name_leaves, when_adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ampscale.backends._base import Backend
 
-__all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler", "masked_add_", "masked_copy_"]
+__all__ = ["Scaler", "StepOutcome", "create_scaler"]
 
 #: ScaleAtFloorErrors raised inside traced (jitted) steps, newest last (see ampscale.jax.floor_errors)
 TRACED_FLOOR_ERRORS: collections.deque[ScaleAtFloorError] = collections.deque(maxlen=64)
@@ -222,7 +222,7 @@ class Scaler:
         is returned unchanged. Pass the result to :meth:`unscale` as ``loss=`` (or to
         :meth:`step`) so that a scaled loss that overflowed counts as an overflow of the step.
         """
-        _check_loss_is_array(loss)
+        check_loss(loss)
         if not self._config.scales:
             return loss
         backend = self._backend_for((loss,), "loss")
@@ -293,10 +293,10 @@ class Scaler:
                         AmpscaleWarning,
                         stacklevel=3,
                     )
-            elif not _HALF_KEPT_WARNED and dtypes is not None and not dtypes <= _WIDE_DTYPES:
-                _warn_if_half_kept(config, backend, dtypes)
+            elif not _base._HALF_KEPT_WARNED and dtypes is not None and not dtypes <= WIDE_DTYPES:
+                backend.warn_if_half_kept(config, dtypes)
             if loss is not None:
-                _check_loss_is_array(loss)
+                check_loss(loss)
                 backend.validate((loss,), None, "loss")
             like = leaves[0] if leaves else loss
             state = self._state_on(backend, like)
@@ -357,7 +357,7 @@ class Scaler:
         backend = self._backend
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
-        _check_flag(finite, "finite")
+        check_flag(finite, "finite")
         flags = self._flags
         if flags is not None and finite is flags[1]:
             raise ValueError(
@@ -367,7 +367,7 @@ class Scaler:
                 "once with its flag; this scaler is unchanged"
             )
         if loss_finite is not None:
-            _check_flag(loss_finite, "loss_finite")
+            check_flag(loss_finite, "loss_finite")
         return self._update(backend, finite, loss_finite)
 
     def _update(self, backend: Backend, finite: Any, loss_finite: Any) -> Scaler:
@@ -658,73 +658,6 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
         add_note(note)
 
 
-#: whether the float16-kept warning was shown in this process
-_HALF_KEPT_WARNED = False
-#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
-#: tree of only these skips the float16 check with one set comparison
-_WIDE_DTYPES: set[Any] = set()
-
-
-def _warn_if_half_kept(config: ScalerConfig, backend: Backend, dtypes: set[Any]) -> None:
-    """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
-
-    torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
-    returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses bits.
-    """
-    for dtype in dtypes:
-        if dtype in _WIDE_DTYPES:
-            continue
-        name = _dtype_name(dtype)
-        if name != "float16" and not name.startswith("float8"):
-            if len(_WIDE_DTYPES) < 64:
-                _WIDE_DTYPES.add(dtype)
-            continue
-        if config.grad_dtype == "keep" and config.scales:
-            global _HALF_KEPT_WARNED
-            _HALF_KEPT_WARNED = True
-            warnings.warn(
-                f"{name} gradients are unscaled in {name} on the {backend.name} backend "
-                "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is 0 "
-                "and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
-                "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
-                "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
-                "gradients (master weights). Shown once per process.",
-                AmpscaleWarning,
-                stacklevel=4,
-            )
-            return
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(getattr(dtype, "name", dtype)).replace("torch.", "")
-
-
-def _check_loss_is_array(loss: Any) -> None:
-    """A loss must be an array: a Python number cannot start a backward pass, so say what to pass."""
-    if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
-        raise TypeError(
-            f"loss must be an array of your framework (the value your backward pass starts from), "
-            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
-            "torch.tensor(loss) or jnp.float32(loss)"
-        )
-
-
-def _check_flag(flag: Any, name: str) -> None:
-    """A step flag must be a bool or a 0-d boolean array: reject anything else clearly."""
-    if isinstance(flag, bool):
-        return
-    dtype = getattr(flag, "dtype", None)
-    shape = getattr(flag, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
-    if tuple(shape) != ():
-        raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
-    kind = getattr(dtype, "kind", None)
-    name_of = str(getattr(dtype, "name", dtype))
-    if kind != "b" and "bool" not in name_of:
-        raise TypeError(f"{name} must be boolean; got dtype {name_of}")
-
-
 class _PendingScaler(Scaler):
     """A scaler loaded from a state dict before its backend is known (state kept on the host)."""
 
@@ -858,107 +791,6 @@ def create_scaler(
         return Scaler(config)  # a pytree for JAX whenever JAX is imported (_register_with_jax)
     state = None if resolved.lazy_state else resolved.make_state(initial_values(config), config)
     return Scaler(config, state, resolved, config.initial_scale)
-
-
-def all_finite(tree: Any, *, backend: Any = None) -> Any:
-    """A 0-d bool array on the leaves' device: whether every element of every leaf is finite.
-
-    Exact (inf, -inf and nan anywhere are found; no finite value is ever flagged) and fused
-    like :meth:`Scaler.unscale`. An empty tree is finite.
-
-    Example:
-        >>> import numpy as np, ampscale
-        >>> bool(ampscale.all_finite({"w": np.ones(3), "b": np.array([1.0, np.inf])}))
-        False
-    """
-    resolved, leaves, spec = flatten_tree(tree, None if backend is None else get_backend(backend), what="leaves")
-    try:
-        resolved.validate(leaves, spec, "leaf")
-        if not leaves:
-            return resolved.as_bool(True)
-        return resolved.all_finite(leaves)
-    except Exception as exc:  # an error naming leaves by index: name them by path too
-        name_leaves(exc, lambda: resolved.leaf_paths(spec))
-        raise
-
-
-def masked_add_(finite: Any, targets: Any, updates: Any, *, alpha: float = 1.0) -> Any:
-    """``t += alpha * u`` in place for every pair of leaves, only where the 0-d flag ``finite``
-    is true: the flag-aware in-place update (as torch's fused optimizers take ``found_inf``).
-
-    Where ``finite`` is false every target keeps its bits, whatever ``updates`` hold (inf, nan).
-    On a device (CuPy, torch on a GPU) it selects on the device: no host sync; on host backends
-    an overflow costs nothing. With ``alpha=-lr`` this is SGD's ``p -= lr * g``, bit for bit.
-    Use it inside an ``update_fn`` given to ``Scaler.step(..., in_place=True)``, or with the flag
-    from :meth:`Scaler.unscale`.
-
-    Args:
-        finite: the step's 0-d bool flag (an array of the targets' framework, or a bool).
-        targets: a tree of writable floating arrays, changed in place.
-        updates: a tree of the same structure, with arrays of the same shapes.
-        alpha: the factor of the updates (a real number).
-
-    Returns:
-        ``targets``.
-
-    Raises:
-        TypeError, ValueError: mismatched trees, shapes or frameworks, read-only targets, a flag
-            that is not 0-d bool, or JAX arrays (immutable); nothing is changed.
-
-    Example:
-        >>> import numpy as np, ampscale
-        >>> params, grads = [np.ones(3, np.float32)], [np.full(3, 2.0, np.float32)]
-        >>> ampscale.masked_add_(np.bool_(True), params, grads, alpha=-0.5)[0]
-        array([0., 0., 0.], dtype=float32)
-        >>> ampscale.masked_add_(np.bool_(False), params, [np.full(3, np.inf, np.float32)])[0]
-        array([0., 0., 0.], dtype=float32)
-    """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {shown(alpha)}")
-    try:
-        factor = float(alpha)
-    except OverflowError:
-        raise ValueError(f"alpha must be a real number within the float range; got {shown(alpha)}") from None
-    backend, target_leaves, update_leaves = _masked_arguments(finite, targets, updates, "updates")
-    backend.masked_add_(finite, target_leaves, update_leaves, factor)
-    return targets
-
-
-def masked_copy_(finite: Any, targets: Any, values: Any) -> Any:
-    """``t[...] = v`` in place for every pair of leaves, only where the 0-d flag ``finite`` is
-    true (see :func:`masked_add_`): for optimizer state such as momentum, computed out of place
-    and written back where the step is applied.
-
-    Returns:
-        ``targets``.
-
-    Raises:
-        TypeError, ValueError: as :func:`masked_add_`; nothing is changed.
-    """
-    backend, target_leaves, value_leaves = _masked_arguments(finite, targets, values, "values")
-    backend.masked_copy_(finite, target_leaves, value_leaves)
-    return targets
-
-
-def _masked_arguments(finite: Any, targets: Any, others: Any, name: str) -> tuple[Backend, list[Any], list[Any]]:
-    """Validate a masked update's arguments before anything changes."""
-    _check_flag(finite, "finite")
-    backend, target_leaves, spec = flatten_tree(targets, what="targets")
-    other_leaves, other_spec = backend.flatten(others)
-    backend.validate(target_leaves, spec, "target")
-    backend.validate(other_leaves, other_spec, name[:-1])
-    if len(target_leaves) != len(other_leaves):
-        raise ValueError(f"targets has {len(target_leaves)} leaves but {name} has {len(other_leaves)}; they must match")
-    paths = backend.leaf_paths(spec) if target_leaves else []
-    for path, target, other in zip(paths, target_leaves, other_leaves, strict=True):
-        if tuple(target.shape) != tuple(other.shape):
-            raise ValueError(
-                f"target {path} has shape {tuple(target.shape)} but its {name[:-1]} has shape {tuple(other.shape)}"
-            )
-        flags = getattr(target, "flags", None)
-        if flags is not None and getattr(flags, "writeable", True) is False:
-            raise ValueError(f"target {path} is read-only; masked updates write into their targets")
-    return backend, target_leaves, other_leaves
 
 
 def _register_with_jax(jax: Any) -> None:

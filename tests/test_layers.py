@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale._scaler",
             "ampscale._in_place",
+            "ampscale._functional",
             "ampscale.fp8._cuda",
             "ampscale.fp8._distributed",
             "ampscale.fp8._scaler",

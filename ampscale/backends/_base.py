@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -19,7 +20,7 @@ import numpy as np
 from ampscale import _tree
 from ampscale._config import shown
 from ampscale._core import INT_FIELDS, ScalerState, transition
-from ampscale._errors import AliasedGradientsError
+from ampscale._errors import AliasedGradientsError, AmpscaleWarning
 from ampscale._native.cuda._packed import PackedState
 from ampscale._ops import ArrayOps, HostOps
 
@@ -31,7 +32,10 @@ __all__ = [
     "Backend",
     "ReadOnlyGuard",
     "WriteGuard",
+    "WIDE_DTYPES",
     "adapter_ready",
+    "check_flag",
+    "check_loss",
     "framework_of",
     "leaf_error",
     "leaf_label",
@@ -143,6 +147,39 @@ def name_leaves(exc: BaseException, paths: Sequence[str] | Callable[[], Sequence
     except Exception:  # naming must never hide the error itself
         return
     exc.args = (template.format(*(leaf_label(i, names) for i in exc.leaf_indices)), *exc.args[1:])  # type: ignore[attr-defined]
+
+
+def check_loss(loss: Any) -> None:
+    """A loss must be an array: a Python number cannot start a backward pass, so say what to pass."""
+    if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
+        raise TypeError(
+            f"loss must be an array of your framework (the value your backward pass starts from), "
+            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
+            "torch.tensor(loss) or jnp.float32(loss)"
+        )
+
+
+def check_flag(flag: Any, name: str) -> None:
+    """A step flag must be a bool or a 0-d boolean array: reject anything else clearly."""
+    if isinstance(flag, bool):
+        return
+    dtype = getattr(flag, "dtype", None)
+    shape = getattr(flag, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
+    if tuple(shape) != ():
+        raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
+    kind = getattr(dtype, "kind", None)
+    name_of = str(getattr(dtype, "name", dtype))
+    if kind != "b" and "bool" not in name_of:
+        raise TypeError(f"{name} must be boolean; got dtype {name_of}")
+
+
+#: whether the float16-kept warning (:meth:`Backend.warn_if_half_kept`) was shown in this process
+_HALF_KEPT_WARNED = False
+#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
+#: tree of only these skips the float16 check with one set comparison
+WIDE_DTYPES: set[Any] = set()
 
 
 def overlap_error(first: int, second: int) -> AliasedGradientsError:
@@ -295,6 +332,38 @@ class Backend(abc.ABC):
                     paths=self.leaf_paths(spec) if spec is not None else None,
                 )
         return dtypes
+
+    def warn_if_half_kept(self, config: ScalerConfig, dtypes: set[Any]) -> None:
+        """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
+
+        torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
+        returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses
+        bits. ``dtypes``: those of a tree about to be unscaled (:meth:`validate`'s).
+        """
+        global _HALF_KEPT_WARNED
+        if _HALF_KEPT_WARNED:
+            return
+        for dtype in dtypes:
+            if dtype in WIDE_DTYPES:
+                continue
+            name = str(getattr(dtype, "name", dtype)).replace("torch.", "")
+            if name != "float16" and not name.startswith("float8"):
+                if len(WIDE_DTYPES) < 64:
+                    WIDE_DTYPES.add(dtype)
+                continue
+            if config.grad_dtype == "keep" and config.scales:
+                _HALF_KEPT_WARNED = True
+                warnings.warn(
+                    f"{name} gradients are unscaled in {name} on the {self.name} backend "
+                    "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is "
+                    "0 and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
+                    "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
+                    "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
+                    "gradients (master weights). Shown once per process.",
+                    AmpscaleWarning,
+                    stacklevel=4,
+                )
+                return
 
     def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
         """Register the scaler classes with the framework where it needs them (JAX: as pytrees).
