@@ -22,20 +22,20 @@ from torch.amp.grad_scaler import OptState
 
 from ampscale._config import (
     _UNSET,
-    NEVER_GROWS,
     PRESETS,
     ScalerConfig,
+    given_number,
     make_config,
     plain_number,
     shown,
-    torch_growth_interval,
+    torch_setting,
 )
 from ampscale._core import ScalerState, initial_values
-from ampscale._errors import AmpscaleWarning, StateDictError
+from ampscale._errors import StateDictError
 from ampscale._native.cuda._packed import FLAG_BAD_BOOL, FLAG_FALSE, FLAG_FOUND_INF, FLAG_TRUE, PackedState
 from ampscale._ops import HostOps, host_ops
 from ampscale._scaler import Scaler, _PendingScaler
-from ampscale._state_dict import check_scale, from_state_dict, to_state_dict
+from ampscale._state_dict import check_scale, from_state_dict, to_state_dict, torch_compatible
 from ampscale.backends import torch as _torch_backend
 from ampscale.backends._base import Backend, name_leaves
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
@@ -171,17 +171,6 @@ class _HostView:
         return tensor.item() if view is None else view.value
 
 
-def _plain(value: Any, integral: bool) -> Any:
-    """A NumPy number given for a torch setting as a plain Python number (Python numbers and
-    anything else as given: ``16`` stays ``16``, as torch's getters return it)."""
-    if type(value) in (int, float):
-        return value
-    try:
-        return plain_number(value, integral)
-    except OverflowError:  # (refused by the validation first, on an enabled scaler)
-        return value
-
-
 def _torch_setting(name: str) -> Any:
     """``_growth_factor`` and its kin: torch's attribute, kept as given, validated when written."""
     key = f"_given_{name}"
@@ -195,7 +184,7 @@ def _torch_setting(name: str) -> Any:
     def set(self: GradScaler, value: Any) -> None:
         if self._enabled:
             self._replace_setting(name, value)
-        self.__dict__[key] = _plain(value, name == "growth_interval")
+        self.__dict__[key] = given_number(value, name == "growth_interval")
 
     return property(get, set, doc=f"The {name.replace('_', ' ')} as given (torch's attribute).")
 
@@ -309,30 +298,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._scale_bound: tuple[torch.Tensor, int, float] | None = None
 
     # -- settings -------------------------------------------------------------------------------
-    @staticmethod
-    def _config_value(name: str, value: Any, interval_offset: int) -> Any:
-        """The value ampscale's config stores for a torch setting.
-
-        torch grows when its counter *equals* ``growth_interval``, so an interval below the
-        counter's first value means "never": the longest interval has the same trajectory
-        (:func:`ampscale._config.torch_growth_interval`, shared with torch's checkpoints).
-        """
-        if name != "growth_interval":
-            return value
-        stored = torch_growth_interval(value, interval_offset)
-        if stored == NEVER_GROWS and stored != value:
-            warnings.warn(
-                f"growth_interval={shown(value)}: the scale never grows (the good-step counter never equals it)",
-                AmpscaleWarning,
-                stacklevel=4,
-            )
-        return stored
-
     def _new_config(self, preset: str, given: dict[str, Any], settings: dict[str, Any]) -> ScalerConfig:
         default_offset = PRESETS[preset].defaults["interval_offset"] if preset in PRESETS else 0
         offset = plain_number(settings.get("interval_offset", default_offset), integral=True)
         offset = offset if isinstance(offset, int) and offset in (0, 1) else 0
-        values = {name: self._config_value(name, value, offset) for name, value in given.items()}
+        values = {name: torch_setting(name, value, offset) for name, value in given.items()}
         try:
             return make_config(preset, **values, **settings)
         except ValueError as exc:
@@ -340,7 +310,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
 
     def _replace_setting(self, name: str, value: Any) -> None:
         config = self._config
-        stored = self._config_value(name, value, config.interval_offset)
+        stored = torch_setting(name, value, config.interval_offset)
         try:
             new = config.replace(**{name: stored})
         except ValueError as exc:
@@ -356,7 +326,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         ``state_dict()`` is JSON-serialisable and loads with ``torch.load(weights_only=True)``.
         """
         for name, value in values.items():
-            self.__dict__[f"_given_{name}"] = _plain(value, name == "growth_interval")
+            self.__dict__[f"_given_{name}"] = given_number(value, name == "growth_interval")
 
     # torch's attributes: what was given, as torch keeps it; writing one (as torch's setters,
     # and code that skips them, do) validates it and changes the settings in use, once enabled
@@ -1046,7 +1016,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._get_growth_tracker(),
         }
-        if not _torch_compatible(self._config):
+        if not torch_compatible(self._config):
             out["ampscale"] = to_state_dict(self._config, self._host_values())["ampscale"]
         return out
 
@@ -1141,25 +1111,6 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             f"growth_factor={self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
             f"growth_interval={self._growth_interval!r})"
         )
-
-
-#: settings torch's five keys hold (or that do not shape the trajectory)
-_TORCH_HELD = frozenset(
-    {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "on_floor", "floor_patience"}
-)
-
-
-def _torch_compatible(config: ScalerConfig) -> bool:
-    """Whether torch's five keys describe ``config`` completely.
-
-    Compared with the torch preset's defaults setting by setting (no config is built, so this
-    holds for any config the constructor accepted, and ``state_dict()`` cannot raise).
-    """
-    if config.preset != "torch":
-        return False
-    torch_defaults = PRESETS["torch"].defaults
-    ours = config.settings()
-    return all(value == torch_defaults[name] for name, value in ours.items() if name not in _TORCH_HELD)
 
 
 #: the drop-in's own _maybe_opt_step (step() inlines it unless a subclass overrides it)
