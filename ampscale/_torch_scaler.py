@@ -7,7 +7,6 @@ module imports this one and the FSDP one, and neither of those imports the publi
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import math
 import numbers
@@ -32,12 +31,13 @@ from ampscale._config import (
 )
 from ampscale._core import ScalerState, initial_values
 from ampscale._errors import StateDictError
-from ampscale._native.cuda._packed import FLAG_BAD_BOOL, FLAG_FALSE, FLAG_FOUND_INF, FLAG_TRUE, PackedState
+from ampscale._native.cuda._packed import PackedState
 from ampscale._ops import HostOps, host_ops
 from ampscale._scaler import Scaler, _PendingScaler
 from ampscale._state_dict import check_scale, from_state_dict, to_state_dict, torch_compatible
-from ampscale.backends import torch as _torch_backend
+from ampscale.backends import _torch_cuda
 from ampscale.backends._base import Backend, name_leaves
+from ampscale.backends._torch_cpu import _HostView
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 
 __all__ = ["GradScaler", "OptState", "SettingError", "StepResult"]
@@ -123,52 +123,6 @@ def _on_host(tensor: torch.Tensor) -> bool:
     Every host-or-device decision of the drop-in is this one (inlined in the hot paths).
     """
     return bool(tensor.is_cpu) and not _DEVICE_PATH_EVERYWHERE
-
-
-#: the C type of each dtype a host view reads and writes
-_HOST_VIEW_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double, torch.int32: ctypes.c_int32}
-
-
-class _HostView:
-    """A C view (``ctypes``) of a one-element CPU tensor's memory, kept while the tensor is the
-    same object at the same address.
-
-    Reading or writing ``_scale`` and ``_growth_tracker`` through its ``value`` costs a few tens
-    of nanoseconds, against one to two microseconds for ``item()`` and ``fill_()``: the drop-in
-    reads both and writes the tracker on every ``update()``. The tensor itself stays what torch
-    has (the same object, updated in place); only its version counter does not move. The view
-    holds the tensor, and :meth:`of` checks the tensor's address on every use, so a tensor given
-    new memory (``set_()``, ``resize_()``) gets a new view before anything is read or written.
-    """
-
-    __slots__ = ("address", "tensor", "view")
-
-    def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
-        self.address = 0
-        self.view: Any = None
-
-    def of(self, tensor: torch.Tensor) -> Any:
-        """The view of ``tensor`` (``None`` if it has none: not a plain one-element CPU tensor)."""
-        address = tensor.data_ptr()
-        if tensor is not self.tensor or address != self.address:
-            self.tensor, self.address = tensor, address
-            kind = _HOST_VIEW_TYPES.get(tensor.dtype)
-            plain = (
-                kind is not None
-                and type(tensor) is torch.Tensor
-                and tensor.is_cpu
-                and tensor.numel() == 1
-                and not tensor.requires_grad
-                and not tensor.is_neg()
-                and address != 0
-            )
-            self.view = kind.from_address(address) if plain and kind is not None else None
-        return self.view
-
-    def read(self, tensor: torch.Tensor) -> Any:
-        view = self.of(tensor)
-        return tensor.item() if view is None else view.value
 
 
 def _torch_setting(name: str) -> Any:
@@ -403,8 +357,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         one-launch update rewrites in place together with ``_scale`` and ``_growth_tracker``;
         elsewhere separate tensors that the eager transition replaces at each update (no record).
         """
-        if _torch_backend._cuda_module(config, like.device) is not None:  # CUDA, kernels loaded
-            record = _torch_backend._packed_from_values(values, config, like.device)
+        if _torch_cuda._cuda_module(config, like.device) is not None:  # CUDA, kernels loaded
+            record = _torch_cuda._packed_from_values(values, config, like.device)
             return tuple(record.view(name) for name in ScalerState._fields[2:]), record
         # the generic tensor state (the torch backend would keep CPU state as Python numbers)
         return tuple(Backend.make_state(BACKEND, values, config, like)[2:]), None
@@ -849,63 +803,18 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         return found_infs
 
     def _update_in_place(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | bool | None:
-        """``update()`` on CUDA as one launch of ``ampscale_update_fields``: torch's flag (the
-        sum of several, if there are several) and the loss flag read on the device, ``_scale``,
-        ``_growth_tracker`` and the record of the other fields rewritten in place, no sync.
-        Returns ``False`` where it does not apply (the eager transition runs), else what
+        """``update()`` on CUDA as one launch (:func:`ampscale.backends._torch_cuda._update_fields`):
+        ``_scale``, ``_growth_tracker`` and the record of the other fields rewritten in place,
+        no sync. Returns ``False`` where it does not apply (the eager transition runs), else what
         :meth:`_update_on_device` returns."""
         record = getattr(self, "_record", None)  # (absent from pickles of older versions)
         rest = self._rest
-        config = self._config
         if record is None or not rest or rest[-1] is not record.view(ScalerState._fields[-1]):
             return False
-        device = scale.device
-        module = _torch_backend._cuda_module(config, device)
-        wide = torch.float64 if config.scale_dtype == "float64" else torch.float32
-        if (
-            module is None
-            or record.scale_dtype != config.scale_dtype
-            or scale.dtype is not wide
-            or tracker.dtype is not torch.int32
-            or tracker.device != device
-            or record.buffer.device != device
-        ):
+        config = self._config
+        loss_bad = None if self._loss_bad_on_host else list(self._loss_bad.values())
+        if not _torch_cuda._update_fields(config, scale, tracker, record, self._found_infs, loss_bad):
             return False
-        # the scale's host bound and the per-optimizer flags live in Python: a graph replay
-        # would not move them, so an update under stream capture raises
-        _torch_backend._refuse_capture("GradScaler.update()")
-        flags = self._found_infs()
-        found = flags[0]
-        if len(flags) > 1 or found.device != device or found.dtype is not torch.float32:
-            total = found.to(device=device, dtype=torch.float32, non_blocking=True)
-            for flag in flags[1:]:
-                total = total + flag.to(device=device, dtype=torch.float32, non_blocking=True)
-            found = total
-        if self._loss_bad_on_host:
-            loss_ptr, loss_kind = 0, FLAG_FALSE
-        elif not self._loss_bad:
-            loss_ptr, loss_kind = 0, FLAG_TRUE
-        else:
-            bad: torch.Tensor | None = None
-            for flag in self._loss_bad.values():
-                moved = flag.to(device, non_blocking=True)
-                bad = moved if bad is None else bad.logical_or(moved)
-            assert bad is not None
-            loss_ptr, loss_kind = bad.data_ptr(), FLAG_BAD_BOOL
-        module.launch(
-            module.update_fields,
-            module.context,
-            1,
-            1,
-            _torch_backend._raw_stream(device),
-            scale.data_ptr(),
-            tracker.data_ptr(),
-            record.ptr,
-            found.data_ptr(),
-            FLAG_FOUND_INF,
-            loss_ptr,
-            loss_kind,
-        )
         bound = getattr(self, "_scale_bound", None)
         if bound is not None and bound[0] is scale and bound[1] == scale._version:
             # the kernel wrote the scale without torch's version counter: the bound follows it

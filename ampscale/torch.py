@@ -44,7 +44,8 @@ try:
 except ModuleNotFoundError as exc:
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult, _fresh_state, _HostView
+from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult, _fresh_state
+from ampscale.backends._torch_cpu import _HostView
 
 if TYPE_CHECKING:
     from ampscale._torch_sharded import ShardedGradScaler

@@ -51,6 +51,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale.backends.numpy",
             "ampscale.backends.torch",
+            "ampscale.backends._torch_cpu",
+            "ampscale.backends._torch_cuda",
+            "ampscale.backends._torch_overlap",
             "ampscale.backends.jax",
             "ampscale.backends._jax_custom_call",
             "ampscale.backends._jax_xla",
