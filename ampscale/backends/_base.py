@@ -445,7 +445,22 @@ class Backend(abc.ABC):
         with them, without another launch. ``loss_finite`` is ``None`` when ``loss`` is.
         ``scale_floor``: a lower bound of the scale known on the host (see
         :meth:`check_and_unscale_bounded`).
+
+        A state packed in one device record (:class:`~ampscale._native.cuda._packed.PackedState`)
+        goes to :meth:`fused_unscale_packed`, with the leaves promoted first where the settings
+        say so (``grad_dtype="promote"``: float32 copies of the 16-bit leaves are checked and
+        unscaled); any other state has no one-launch step.
         """
+        if not isinstance(state, PackedState):
+            return None
+        if config.grad_dtype == "promote":
+            leaves = self.promote(leaves)
+        return self.fused_unscale_packed(config, state, leaves, loss, scale_floor)
+
+    def fused_unscale_packed(
+        self, config: ScalerConfig, state: PackedState, leaves: list[Any], loss: Any, scale_floor: float | None
+    ) -> tuple[list[Any], Any, Any] | None:
+        """:meth:`fused_unscale` for a packed state (a backend's one-launch step); ``None``: none."""
         return None
 
     def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:

@@ -3,7 +3,7 @@ emitted kernels for a device, torch's streams and graph capture, the launch plan
 
 On CUDA the state is one packed record (:mod:`ampscale._native.cuda._packed`) and a step is
 torch's fused kernel writing into the record's scratch, then one launch of ampscale's kernels
-(:meth:`ampscale.backends.torch.TorchBackend.fused_unscale`); the drop-in ``GradScaler``'s
+(:meth:`ampscale.backends.torch.TorchBackend.fused_unscale_packed`); the drop-in ``GradScaler``'s
 ``update()`` is one in-place launch on its own tensors (:func:`_update_fields`). Under CUDA graph
 capture every step raises before any work (:func:`_refuse_capture`).
 """

@@ -397,14 +397,10 @@ class CupyBackend(Backend, CudaStep):
                 strided.append(leaf)
         return rows, strided
 
-    def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
+    def fused_unscale_packed(
+        self, config: ScalerConfig, state: PackedState, leaves: list[Any], loss: Any, scale_floor: float | None
     ) -> tuple[list[Any], Any, Any] | None:
         # scale_floor is not needed: ampscale's kernel checks the values it writes
-        if not isinstance(state, PackedState):
-            return None
-        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
-            leaves = self.promote(leaves)
         device_id = state.buffer.data.device_id
         rows, strided = self._rows(leaves)
         if strided or any(d != device_id for d in rows):

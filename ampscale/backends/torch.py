@@ -633,13 +633,9 @@ class TorchBackend(Backend, CudaStep):
         flag = flag.to(torch.bool)
         return flag.data_ptr(), FLAG_BOOL, flag
 
-    def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
+    def fused_unscale_packed(
+        self, config: ScalerConfig, state: PackedState, leaves: list[Any], loss: Any, scale_floor: float | None
     ) -> tuple[list[Any], Any, Any] | None:
-        if not isinstance(state, PackedState):
-            return None
-        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
-            leaves = self.promote(leaves)
         device = state.buffer.device
         module = _torch_cuda._cuda_module(config, device)
         # every memory location once, and refusals before anything changes (as check_and_unscale)
