@@ -665,6 +665,14 @@ def torch_setting(name: str, value: Any, interval_offset: int) -> Any:
     return stored
 
 
+def as_float(value: Any) -> float:
+    """``float(value)``; an integer too large for a float is +-inf (which every range check refuses)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def given_number(value: Any, integral: bool) -> Any:
     """A NumPy number given for a torch setting as a plain Python number (Python numbers and
     anything else as given: ``16`` stays ``16``, as torch's getters return it)."""

@@ -83,6 +83,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ampscale._torch_sharded",
             "ampscale.torch",
             "ampscale.jax",
+            "ampscale._jmp",
             "ampscale.fp8.torch",
             "ampscale.fp8.jax",
             "ampscale.demo",
