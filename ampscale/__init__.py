@@ -1,5 +1,7 @@
 """ampscale: dynamic loss scaling for mixed-precision training, on NumPy, CuPy, JAX and PyTorch.
 
+Package layer: the public surface, re-exported from the layers below.
+
 It keeps float16 training from losing its small gradients: the loss is multiplied by a scale
 before the backward pass, the gradients are divided back and checked for inf and nan in one
 fused pass, a step that overflowed is skipped, and the scale grows or backs off as training

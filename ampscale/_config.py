@@ -1,5 +1,7 @@
 """Scaler settings: the presets, the frozen :class:`ScalerConfig`, and its validation.
 
+Foundation layer: it imports nothing of ampscale but the errors.
+
 Every system ampscale reproduces is described by the same handful of orthogonal settings; a
 preset is only a row of defaults (see ``docs/presets.md`` for the table and the sources).
 

@@ -1,5 +1,7 @@
 """Diagnostics that cost nothing on good steps: an overflow report, counters, a doctor.
 
+Diagnostics layer: above the scaler, whose counters it reads.
+
 Nothing here runs unless called, and each function is a host read by design:
 
 * :func:`diagnose` names the leaves that hold inf or nan (and says whether the scaled loss

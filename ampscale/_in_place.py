@@ -1,5 +1,7 @@
 """``Scaler.step``'s checks of ``update_fn``: no update written in place reaches the parameters.
 
+Scaler layer; the arrays are watched through the adapter protocol.
+
 On a device (CuPy, torch on a GPU, array-API namespaces) ``step`` calls ``update_fn`` before the
 overflow flag is known and keeps the old arrays, leaf by leaf, where the step overflowed; an
 ``update_fn`` that writes into the arrays it was given would already have written the

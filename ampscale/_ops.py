@@ -1,5 +1,8 @@
 """The few operations the state machine needs, for host scalars and for array namespaces.
 
+Host operations and checkpoints layer: above the code generator, whose transition ``HostOps``
+runs.
+
 :func:`ampscale._core.transition` is written once against this small interface. ``HostOps``
 runs it on Python scalars, for backends whose state lives in host memory (NumPy, PyTorch on
 CPU): a handful of Python operations instead of dozens of tiny array kernels. ``ArrayOps``

@@ -1,5 +1,9 @@
 """The immutable :class:`Scaler` and :func:`create_scaler`: the three patent interfaces.
 
+Scaler layer: the public calls over config and state. Trees go down through the backend
+registry, which flattens each once (:func:`ampscale.backends.flatten_tree`), and the adapters do
+the work.
+
 * creation: :func:`create_scaler` builds a scaler from construction parameters;
 * scale: :meth:`Scaler.scale` multiplies the loss; :meth:`Scaler.unscale` (given the scaled loss)
   counts a scaled loss that overflowed as an overflow of the step;

@@ -1,5 +1,7 @@
 """The checkpoint format: plain, JSON-serialisable, versioned, portable across backends.
 
+Host operations and checkpoints layer.
+
 A dict from :meth:`ampscale.Scaler.state_dict` holds ``torch.amp.GradScaler``'s five keys at
 the top level, so ``torch.amp.GradScaler.load_state_dict`` accepts it, plus everything else
 under ``"ampscale"``::

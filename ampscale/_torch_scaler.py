@@ -1,5 +1,9 @@
 """The drop-in ``GradScaler`` (public as :class:`ampscale.torch.GradScaler`; see :mod:`ampscale.torch`).
 
+Framework helpers' layer: torch's protocol (call order, per-optimizer flags, ``state_dict``)
+over the scaler's settings and state machine; the kernels, the CPU views and the CUDA launch are
+the torch adapter's (:mod:`ampscale.backends.torch`, with ``_torch_cpu`` and ``_torch_cuda``).
+
 Kept below :mod:`ampscale.torch` so that the FSDP scaler (:mod:`ampscale._torch_sharded`), which
 subclasses it, and the public module, which offers both, import it from one place: the public
 module imports this one and the FSDP one, and neither of those imports the public module.

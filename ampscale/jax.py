@@ -1,5 +1,8 @@
 """JAX helpers: drop-ins for flax's ``DynamicScale`` and for jmp, ``value_and_grad``, and an optax wrapper.
 
+Framework helpers' layer, over the scaler and the JAX adapter; jmp's classes live in
+:mod:`ampscale._jmp` and are public here.
+
 The scaler itself (``ampscale.create_scaler(backend="jax")``) is a pytree: pass it through
 ``jax.jit``, ``lax.scan`` or ``shard_map`` like any other state. Four conveniences build on it:
 

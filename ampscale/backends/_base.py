@@ -1,5 +1,7 @@
 """The protocol every backend adapter implements.
 
+Adapter protocol layer: below the adapters, above the native code and the host operations.
+
 An adapter does only what differs between frameworks: recognise its arrays, flatten trees,
 check and unscale gradients (fused), hold the state as 0-d arrays on the right device, select
 between two trees without a host branch, and agree on a flag across devices. The state machine

@@ -1,5 +1,7 @@
 """CuPy backend: one CUDA launch per step (check, unscale and the state update), no host sync.
 
+Adapters' layer.
+
 The kernels (``ampscale/_native/cuda/kernels.cu``, with the state transition emitted as C for the
 scaler's configuration by :mod:`ampscale._codegen`) are compiled by ampscale's own NVRTC call
 (:func:`ampscale._native.cuda.nvrtc.compiled`, cached on disk, the binary the torch backend

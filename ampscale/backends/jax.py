@@ -1,5 +1,7 @@
 """JAX backend: jit-native, no host transfer, fused by XLA, pytrees everywhere.
 
+Adapters' layer.
+
 The scaler is a registered pytree: its settings are static auxiliary data (hashed once, never
 leaves, so no jit round trip can drop one), its state the leaves. ``scale``, ``unscale``,
 ``update`` and ``step`` trace under ``jax.jit``, ``lax.scan`` and ``vmap`` and run eagerly too.

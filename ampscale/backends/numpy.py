@@ -1,5 +1,7 @@
 """NumPy backend: the reference backend, fused and multi-threaded.
 
+Adapters' layer.
+
 Contiguous float16, bfloat16 (``ml_dtypes``), float32 and float64 arrays go through the native
 kernel (``ampscale/_native/cpu/_numpy.c``): one pass over memory per element (check the exponent bits, multiply in
 float32, write back), the GIL released, large trees split across threads. Anything else
