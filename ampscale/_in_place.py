@@ -123,28 +123,24 @@ class Watched:
     """``params`` and ``opt_state`` as ``Scaler.step`` hands them to its checks and its select:
     each tree flattened once, when first needed, and the arrays ``update_fn`` must not write."""
 
-    __slots__ = ("_flat", "_named", "backend", "opt_state", "params")
+    __slots__ = ("_named", "backend", "flat", "opt_state", "params")
 
     def __init__(self, backend: Backend, params: Any, opt_state: Any) -> None:
         self.backend = backend
         self.params = params
         self.opt_state = opt_state
-        self._flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None
+        #: ``((leaves, spec) of params, (leaves, spec) of opt_state)`` once :meth:`named` has run
+        self.flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None
         self._named: list[tuple[str, Any]] | None = None
-
-    def flat(self) -> tuple[tuple[list[Any], Any], tuple[list[Any], Any]]:
-        """``((leaves, spec) of params, (leaves, spec) of opt_state)``."""
-        if self._flat is None:
-            self._flat = (self.backend.flatten(self.params), self.backend.flatten(self.opt_state))
-        return self._flat
 
     def named(self) -> list[tuple[str, Any]]:
         """Every leaf of ``params`` and ``opt_state`` the backend owns, with a readable path
-        (``params[0]``, ``opt_state['m'][1]``)."""
+        (``params[0]``, ``opt_state['m'][1]``); the trees are flattened here, once."""
         if self._named is None:
             backend = self.backend
+            self.flat = (backend.flatten(self.params), backend.flatten(self.opt_state))
             named: list[tuple[str, Any]] = []
-            for prefix, (leaves, spec) in zip(("params", "opt_state"), self.flat(), strict=True):
+            for prefix, (leaves, spec) in zip(("params", "opt_state"), self.flat, strict=True):
                 paths = backend.leaf_paths(spec) if leaves else []
                 named += [
                     (prefix + ("" if path == "<root>" else path), leaf)
@@ -192,7 +188,8 @@ def check_before_the_step(
         return backend.unflatten(spec, out)
 
     named = watched.named()
-    flat_params, flat_opt_state = watched.flat()
+    assert watched.flat is not None
+    flat_params, flat_opt_state = watched.flat
     params_copy, opt_state_copy = copied(flat_params), copied(flat_opt_state)
     grads_copy = copied(backend.flatten(grads) if flat_grads is None else flat_grads)
     guarded = [copies[id(leaf)] for _, leaf in named]

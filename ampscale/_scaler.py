@@ -258,10 +258,7 @@ class Scaler:
             false if the loss or any gradient held inf or nan; with ``underflow=True``,
             ``(grads, finite, underflow_fraction)``.
         """
-        backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
-        grads, finite, _loss_finite, _backend = self._unscale(
-            grads, loss, axis_name, underflow, backend=backend, flat=(leaves, spec)
-        )
+        grads, finite, _loss_finite, _backend = self._unscale(grads, loss, axis_name, underflow)
         if underflow:
             grads, fraction = grads
             return grads, finite, fraction
@@ -274,19 +271,21 @@ class Scaler:
         axis_name: Any,
         underflow: bool = False,
         *,
-        backend: Backend | None = None,
-        flat: tuple[list[Any], Any] | None = None,
+        flat: tuple[Backend, list[Any], Any] | None = None,
     ) -> tuple[Any, Any, Any, Backend]:
         """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss.
 
-        ``backend`` and ``flat``: what :func:`~ampscale.backends.flatten_tree` returned for
-        ``grads``, where the caller has it (otherwise the tree is flattened here).
+        ``flat``: what :func:`~ampscale.backends.flatten_tree` returned for ``grads``, where the
+        caller has it; otherwise the tree is flattened here (by the scaler's backend, once known).
         """
         config = self._config
-        if backend is None or flat is None:
-            backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
+        if flat is not None:
+            backend, leaves, spec = flat
+        elif self._backend is not None:
+            backend = self._backend
+            leaves, spec = backend.flatten(grads)  # (flatten_tree's own first line, one call less)
         else:
-            leaves, spec = flat
+            backend, leaves, spec = flatten_tree(grads, also=loss)
         try:
             dtypes = backend.validate(leaves, spec)
             if not leaves:
@@ -305,7 +304,7 @@ class Scaler:
             like = leaves[0] if leaves else loss
             state = self._state_on(backend, like)
             group = config.axis_name if isinstance(axis_name, _Default) else axis_name
-            if group is None and not underflow and leaves:
+            if group is None and not underflow and leaves and backend.packed_state:
                 # CUDA: check, unscale and the state transition in one launch (or two on torch)
                 fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
                 if fused is not None:
@@ -501,7 +500,11 @@ class Scaler:
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False; got {in_place!r}")
         # every tree is flattened once: the gradients here, params and opt_state when first needed
-        backend, leaves, spec = flatten_tree(grads, self._backend, also=loss)
+        backend = self._backend
+        if backend is None:
+            backend, leaves, spec = flatten_tree(grads, also=loss)
+        else:
+            leaves, spec = backend.flatten(grads)  # (flatten_tree's own first line, one call less)
         if in_place and not backend.mutable_arrays:
             raise TypeError(
                 f"in_place=True writes into the parameters, which {backend.name} arrays do not allow: "
@@ -515,9 +518,7 @@ class Scaler:
             check_before_the_step(
                 update_fn, backend, params, grads, opt_state, watched=watched, flat_grads=(leaves, spec)
             )
-        grads, finite, loss_finite, backend = self._unscale(
-            grads, loss, axis_name, backend=backend, flat=(leaves, spec)
-        )
+        grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name, flat=(backend, leaves, spec))
         try:
             if in_place:
                 new_params, new_opt_state = backend.apply_in_place(finite, update_fn, params, grads, opt_state)
@@ -526,7 +527,7 @@ class Scaler:
             else:
                 checked = checked_update(update_fn, backend, params, opt_state, watched=watched)
                 new_params, new_opt_state = backend.apply_if(
-                    finite, checked, params, grads, opt_state, flat=watched.flat()
+                    finite, checked, params, grads, opt_state, flat=watched.flat
                 )
         except Exception as exc:
             _note_unscaled(exc, backend)

@@ -219,25 +219,24 @@ def _first_backend(tree: Any) -> Backend | None:
     """The backend of the first array of ``tree`` in tree order (``None``: it holds none)."""
     for leaf in _tree.iter_leaves(tree):
         found = backend_of(leaf)
-        if found is None:
+        if found is None and "jax" in sys.modules:
             for inner in _pytree_leaves(leaf):
                 found = backend_of(inner)
                 if found is not None:
                     return found
-        else:
+        elif found is not None:
             return found
     return None
 
 
 def _pytree_leaves(value: Any) -> list[Any]:
     """The leaves of an object that is no array of any backend, in case it is a pytree registered
-    with JAX (a flax struct, an optax state, ...), where JAX is imported: none otherwise."""
-    if "jax" not in sys.modules:
-        return []
+    with JAX (a flax struct, an optax state, ...): JAX's own flatten, through its adapter (the
+    object itself where the adapter cannot load)."""
     try:
         jax_backend = _load("jax")
     except Exception:  # a JAX the adapter cannot use: its first use will say why
-        return []
+        return [value]
     return jax_backend.flatten(value)[0]
 
 

@@ -271,6 +271,9 @@ class Backend(abc.ABC):
         in_place: whether writable gradients are unscaled in place.
         lazy_state: whether the state is created on the device of the first arrays seen
             (rather than at ``create_scaler`` time), as ``torch.amp.GradScaler`` does.
+        packed_state: whether the state may be one packed device record (the CUDA backends), on
+            which a step can be one launch (:meth:`fused_unscale`); the scaler asks for that
+            launch only then.
         mutable_arrays: whether the framework's arrays can be written in place (JAX's cannot);
             ``Scaler.step`` then refuses an ``update_fn`` that writes into what it was given.
     """
@@ -280,6 +283,7 @@ class Backend(abc.ABC):
     in_place: ClassVar[bool] = False
     lazy_state: ClassVar[bool] = False
     mutable_arrays: ClassVar[bool] = True
+    packed_state: ClassVar[bool] = False
 
     # -- arrays and trees -------------------------------------------------------------------
     @abc.abstractmethod

@@ -246,6 +246,7 @@ class CupyBackend(Backend, CudaStep):
     name: ClassVar[str] = "cupy"
     in_place: ClassVar[bool] = True
     lazy_state: ClassVar[bool] = True
+    packed_state: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._tables: OrderedDict[tuple[Any, ...], Any] = OrderedDict()

@@ -235,7 +235,7 @@ class NumpyBackend(Backend):
         return ScalerState._make([t(v) for v, t in zip(state, _field_types(config), strict=True)])
 
     def ops(self, config: ScalerConfig, state: ScalerState) -> HostOps:
-        return host_ops(config)
+        return config._cache.get("host") or host_ops(config)  # (the read inline: every step)
 
     def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
         scaled = loss * np.float32(scale)

@@ -177,6 +177,7 @@ class TorchBackend(Backend, CudaStep):
     name: ClassVar[str] = "torch"
     in_place: ClassVar[bool] = True
     lazy_state: ClassVar[bool] = True  # created on the device of the first tensors, as torch does
+    packed_state: ClassVar[bool] = True  # on CUDA, where ampscale's kernels load
 
     def __init__(self) -> None:
         self._constants: dict[tuple[float, torch.device], torch.Tensor] = {}
@@ -570,7 +571,7 @@ class TorchBackend(Backend, CudaStep):
         if isinstance(state, PackedState):
             return None  # type: ignore[return-value] # run_transition launches the emitted C
         if self.host(state):
-            return host_ops(config)
+            return config._cache.get("host") or host_ops(config)  # (the read inline: every step)
         device = state.scale.device
         key = f"torch:{device}"
         ops = config._cache.get(key)
