@@ -32,7 +32,7 @@ import functools
 import types
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from ampscale._errors import InPlaceUpdateError, PerformanceWarning
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from ampscale.backends._base import Backend
 
-__all__ = ["Watched", "check_before_the_step", "checked_update"]
+__all__ = ["Watch", "check_before_the_step", "checked_update", "watch"]
 
 
 class _Identity(NamedTuple):
@@ -119,35 +119,32 @@ def _remember(backend: Backend, identity: _Identity | None) -> None:
     _CHECKED[key] = (identity.cells, owner_ref)
 
 
-class Watched:
-    """``params`` and ``opt_state`` as ``Scaler.step`` hands them to its checks and its select:
-    each tree flattened once, when first needed, and the arrays ``update_fn`` must not write."""
+#: ``(arrays, flat)`` of :func:`watch`: the arrays ``update_fn`` must not write, and ``params``
+#: and ``opt_state`` as the backend flattened them (``((leaves, spec), (leaves, spec))``)
+Watch: TypeAlias = "tuple[list[Any], tuple[tuple[list[Any], Any], tuple[list[Any], Any]]]"
 
-    __slots__ = ("_named", "backend", "flat", "opt_state", "params")
 
-    def __init__(self, backend: Backend, params: Any, opt_state: Any) -> None:
-        self.backend = backend
-        self.params = params
-        self.opt_state = opt_state
-        #: ``((leaves, spec) of params, (leaves, spec) of opt_state)`` once :meth:`named` has run
-        self.flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None
-        self._named: list[tuple[str, Any]] | None = None
+def watch(backend: Backend, params: Any, opt_state: Any) -> Watch:
+    """The arrays ``update_fn`` must not write, every leaf of ``params`` and ``opt_state`` the
+    backend owns, with the two trees flattened (once: ``Scaler.step`` hands them on to its select).
+    Their names are made only for an error (:func:`_names`)."""
+    flat = (backend.flatten(params), backend.flatten(opt_state))
+    owns = backend.owns
+    return [leaf for leaves, _ in flat for leaf in leaves if owns(leaf)], flat
 
-    def named(self) -> list[tuple[str, Any]]:
-        """Every leaf of ``params`` and ``opt_state`` the backend owns, with a readable path
-        (``params[0]``, ``opt_state['m'][1]``); the trees are flattened here, once."""
-        if self._named is None:
-            backend = self.backend
-            self.flat = (backend.flatten(self.params), backend.flatten(self.opt_state))
-            named: list[tuple[str, Any]] = []
-            for prefix, (leaves, spec) in zip(("params", "opt_state"), self.flat, strict=True):
-                paths = backend.leaf_paths(spec) if leaves else []
-                named += [
-                    (prefix + ("" if path == "<root>" else path), leaf)
-                    for path, leaf in zip(paths, leaves, strict=True)
-                ]
-            self._named = [(name, leaf) for name, leaf in named if backend.owns(leaf)]
-        return self._named
+
+def _names(backend: Backend, flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]]) -> list[str]:
+    """A readable path for each watched array, in :func:`watch`'s order (``params[0]``,
+    ``opt_state['m'][1]``)."""
+    names: list[str] = []
+    for prefix, (leaves, spec) in zip(("params", "opt_state"), flat, strict=True):
+        paths = backend.leaf_paths(spec) if leaves else []
+        names += [
+            prefix + ("" if path == "<root>" else path)
+            for path, leaf in zip(paths, leaves, strict=True)
+            if backend.owns(leaf)
+        ]
+    return names
 
 
 def check_before_the_step(
@@ -156,22 +153,23 @@ def check_before_the_step(
     params: Any,
     grads: Any,
     opt_state: Any,
-    *,
-    watched: Watched | None = None,
     flat_grads: tuple[list[Any], Any] | None = None,
-) -> None:
+) -> Watch | None:
     """Run ``update_fn`` once on copies the first time it is seen, and refuse it
     (:class:`InPlaceUpdateError`) if it writes into the copies of ``params`` or ``opt_state``
     (or, where writes cannot be seen, returns them). Nothing real is read or written but the
-    arrays' values, copied. ``watched`` and ``flat_grads``: the trees as the caller has
-    flattened them already (``Scaler.step`` flattens each tree once)."""
+    arrays' values, copied. ``flat_grads``: ``grads`` as the caller flattened it already.
+
+    Returns the :func:`watch` of ``params`` and ``opt_state`` it made, for the real call
+    (``None`` where ``update_fn`` is known and nothing was run): each tree is flattened once.
+    """
     identity = _identity(update_fn)
     if identity is not None and _known(backend, identity):
         if _RECHECKS:
             _RECHECKS.pop(identity.code, None)
-        return
-    if watched is None:
-        watched = Watched(backend, params, opt_state)
+        return None
+    watched = watch(backend, params, opt_state)
+    arrays, flat = watched
     copies: dict[int, Any] = {}
 
     def copied(flat: tuple[list[Any], Any]) -> Any:
@@ -187,18 +185,15 @@ def check_before_the_step(
                 out.append(leaf)
         return backend.unflatten(spec, out)
 
-    named = watched.named()
-    assert watched.flat is not None
-    flat_params, flat_opt_state = watched.flat
-    params_copy, opt_state_copy = copied(flat_params), copied(flat_opt_state)
+    params_copy, opt_state_copy = copied(flat[0]), copied(flat[1])
     grads_copy = copied(backend.flatten(grads) if flat_grads is None else flat_grads)
-    guarded = [copies[id(leaf)] for _, leaf in named]
+    guarded = [copies[id(leaf)] for leaf in arrays]
     with backend.guard_writes(guarded) as guard:
         try:
             out = update_fn(params_copy, grads_copy, opt_state_copy)
         except Exception as exc:
             if guard.refused(exc):
-                raise InPlaceUpdateError(_message(backend, "wrote into one of", named, [], before=True)) from exc
+                raise InPlaceUpdateError(_message(backend, "wrote into one of", flat, [], before=True)) from exc
             add_note = getattr(exc, "add_note", None)
             if add_note is not None:
                 add_note(
@@ -209,14 +204,15 @@ def check_before_the_step(
             raise
     written = guard.written()
     if written is None:  # the backend cannot see writes: compare the copies with the originals
-        written = [i for i, (_, leaf) in enumerate(named) if not backend.same_bits(leaf, guarded[i])]
+        written = [i for i, leaf in enumerate(arrays) if not backend.same_bits(leaf, guarded[i])]
     if written:
-        raise InPlaceUpdateError(_message(backend, "wrote into", named, written, before=True))
+        raise InPlaceUpdateError(_message(backend, "wrote into", flat, written, before=True))
     if not guard.exact:
         returned = _returned(backend, out, guarded)
         if returned:
-            raise InPlaceUpdateError(_message(backend, "returned", named, returned, before=True))
+            raise InPlaceUpdateError(_message(backend, "returned", flat, returned, before=True))
     _remember(backend, identity)
+    return watched
 
 
 def _returned(backend: Backend, out: Any, watched: list[Any]) -> list[int]:
@@ -234,14 +230,13 @@ def checked_update(
     backend: Backend,
     params: Any,
     opt_state: Any,
-    *,
-    watched: Watched | None = None,
+    watched: Watch | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """``update_fn``, refusing (:class:`InPlaceUpdateError`) a call that writes into ``params``
     or ``opt_state``, or, where the backend cannot see writes, returns them: the watch on every
-    real call, after :func:`check_before_the_step`."""
-    named = (Watched(backend, params, opt_state) if watched is None else watched).named()
-    guarded = [leaf for _, leaf in named]
+    real call, after :func:`check_before_the_step`. ``watched``: :func:`watch`'s result where
+    the caller has it."""
+    guarded, flat = watch(backend, params, opt_state) if watched is None else watched
 
     def run(p: Any, g: Any, s: Any) -> tuple[Any, Any]:
         with backend.guard_writes(guarded) as guard:
@@ -249,25 +244,30 @@ def checked_update(
                 out = update_fn(p, g, s)
             except Exception as exc:
                 if guard.refused(exc):
-                    raise InPlaceUpdateError(_message(backend, "wrote into one of", named, [])) from exc
+                    raise InPlaceUpdateError(_message(backend, "wrote into one of", flat, [])) from exc
                 raise
         written = guard.written()
         if written:
-            raise InPlaceUpdateError(_message(backend, "wrote into", named, written))
+            raise InPlaceUpdateError(_message(backend, "wrote into", flat, written))
         if written is None and guarded:
             returned = _returned(backend, out, guarded)
             if returned:
-                raise InPlaceUpdateError(_message(backend, "returned", named, returned))
+                raise InPlaceUpdateError(_message(backend, "returned", flat, returned))
         return out  # type: ignore[no-any-return]
 
     return run
 
 
 def _message(
-    backend: Backend, what: str, named: list[tuple[str, Any]], indices: list[int], before: bool = False
+    backend: Backend,
+    what: str,
+    flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]],
+    indices: list[int],
+    before: bool = False,
 ) -> str:
-    shown = [named[i][0] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
-    which = ", ".join(shown) if shown else f"its arrays ({', '.join(n for n, _ in named[:4])}, ...)"
+    names = _names(backend, flat)
+    shown = [names[i] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
+    which = ", ".join(shown) if shown else f"its arrays ({', '.join(names[:4])}, ...)"
     if what == "returned":
         head = (
             f"update_fn returned {which}, the arrays it was given: on the {backend.name} backend ampscale "

@@ -23,7 +23,7 @@ from ampscale._after_import import when_imported
 from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
-from ampscale._in_place import Watched, check_before_the_step, checked_update
+from ampscale._in_place import check_before_the_step, checked_update, watch
 from ampscale._ops import host_ops
 from ampscale.backends import _base, backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
 from ampscale.backends._base import WIDE_DTYPES, check_flag, check_loss, name_leaves, when_adapter_ready
@@ -514,21 +514,20 @@ class Scaler:
         if not in_place and backend.mutable_arrays:
             # a new update_fn runs once on copies first: one written in place is refused before
             # anything changes (its first real call, on a device, would write an overflowed step)
-            watched = Watched(backend, params, opt_state)
-            check_before_the_step(
-                update_fn, backend, params, grads, opt_state, watched=watched, flat_grads=(leaves, spec)
-            )
+            watched = check_before_the_step(update_fn, backend, params, grads, opt_state, (leaves, spec))
         grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name, flat=(backend, leaves, spec))
         try:
             if in_place:
                 new_params, new_opt_state = backend.apply_in_place(finite, update_fn, params, grads, opt_state)
-            elif watched is None:  # JAX arrays cannot be written: nothing to check
+            elif not backend.mutable_arrays:  # JAX arrays cannot be written: nothing to watch
                 new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
             else:
-                checked = checked_update(update_fn, backend, params, opt_state, watched=watched)
-                new_params, new_opt_state = backend.apply_if(
-                    finite, checked, params, grads, opt_state, flat=watched.flat
-                )
+                # params and opt_state flattened once (after the unscale: torch's validation of
+                # the gradients reuses what their flatten learnt), for the watch and the select
+                if watched is None:
+                    watched = watch(backend, params, opt_state)
+                checked = checked_update(update_fn, backend, params, opt_state, watched)
+                new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state, flat=watched[1])
         except Exception as exc:
             _note_unscaled(exc, backend)
             raise
