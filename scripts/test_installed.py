@@ -3,12 +3,12 @@
 
 Usage: python scripts/test_installed.py [pytest options]
 
-Copies the suite and what it reads (tests/, conftest.py, pyproject.toml, README.md, docs/, scripts/,
-examples/, benchmarks/) into a temporary folder without the ``ampscale/`` package, checks that
-``import ampscale`` there finds an installed copy (a wheel, an sdist install), prints what that
-copy can run (``python -m ampscale info``), and runs ``python -m pytest`` there with the given
-options. CI runs it on the package built from the sdist; cibuildwheel runs it on each wheel.
-The exit status is pytest's.
+Copies the suite and what it reads (tests/, conftest.py, pyproject.toml, README.md,
+requirements-test.txt, docs/, scripts/, examples/, benchmarks/) into a temporary folder without
+the ``ampscale/`` package, checks that ``import ampscale`` there finds an installed copy (a wheel,
+an sdist install), prints what that copy can run (``python -m ampscale info``), and runs
+``python -m pytest`` there with the given options. CI runs it on the package built from the
+sdist; cibuildwheel runs it on each wheel. The exit status is pytest's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COPIED = ["tests", "conftest.py", "pyproject.toml", "README.md", "docs", "examples", "benchmarks", "scripts"]
+COPIED = [
+    "tests",
+    "conftest.py",
+    "pyproject.toml",
+    "README.md",
+    "requirements-test.txt",
+    "docs",
+    "examples",
+    "benchmarks",
+    "scripts",
+]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
 
 

@@ -16,8 +16,11 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "ampscale"
+import ampscale  # imports no framework (tests/test_imports.py)
+
+# the package that runs: the source tree's, or an installed copy (scripts/test_installed.py)
+PACKAGE = pathlib.Path(ampscale.__file__).resolve().parent
+ROOT = PACKAGE.parent
 
 #: the layers, lowest first: (name, the modules in it; a name ending in ".*" takes a whole subpackage)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -191,7 +194,9 @@ def test_the_imports_form_no_circle() -> None:
             assert circle is None, "an import circle: " + " -> ".join(circle)
 
 
-DESIGN = ROOT / "docs" / "design.md"
+# the design page sits beside the suite (the source tree, or the copy scripts/test_installed.py makes),
+# not beside the package, which may be an installed copy with no docs next to it
+DESIGN = pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md"
 
 
 def drawn_rows() -> dict[str, str]:
