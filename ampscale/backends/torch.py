@@ -78,10 +78,6 @@ __all__ = ["BACKEND", "TorchBackend", "native_cpu_kernel"]
 _fused_support: dict[tuple[torch.device, torch.dtype], bool] = {}
 _DTYPE = operator.attrgetter("dtype")
 _GET_DEVICE = torch.Tensor.get_device
-_DATA_PTR = torch.Tensor.data_ptr
-_NBYTES = operator.attrgetter("nbytes")
-_NUMEL = torch.Tensor.numel
-_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 #: the dtypes the fused kernel (or its exact float32 widening) unscales; others are refused up
 #: front, since the kernel would raise only when it reached them, after unscaling earlier ones
 _UNSCALABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
