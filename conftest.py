@@ -6,8 +6,13 @@ import os
 import pytest
 
 _ADAPTERS = {
-    "torch": ["ampscale/torch.py", "ampscale/backends/torch.py", "ampscale/fp8/torch.py"],
-    "jax": ["ampscale/jax.py", "ampscale/backends/jax.py", "ampscale/fp8/jax.py"],
+    "torch": [
+        "ampscale/torch.py",
+        "ampscale/backends/torch.py",
+        "ampscale/fp8/torch.py",
+        "ampscale/fp8/_fused_torch.py",
+    ],
+    "jax": ["ampscale/jax.py", "ampscale/backends/jax.py", "ampscale/fp8/jax.py", "ampscale/fp8/_fused_jax.py"],
     "cupy": ["ampscale/backends/cupy.py"],
 }
 

@@ -126,7 +126,7 @@ setup(
         Extension(
             "ampscale._native.cpu._numpy",
             sources=["ampscale/_native/cpu/_numpy.c"],
-            depends=["ampscale/_native/cpu/kernels.h"],
+            depends=["ampscale/_native/cpu/kernels.h", "ampscale/_native/cpu/fp8_kernels.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

@@ -368,7 +368,6 @@ def _train_bfloat16(
 ) -> RunResult:
     """One of :data:`FP8_MODES`: bfloat16 everywhere, the products' operands in FP8 or not."""
     import ampscale.fp8 as fp8
-    from ampscale.fp8._amax import _amaxes
 
     if ar.to_bfloat16 is None:
         raise ValueError(f"the FP8 runs train with numpy, torch or jax; got --backend {ar.name}")
@@ -403,7 +402,7 @@ def _train_bfloat16(
                 ar, params, x, target, False, 1.0, rounding=rounding, fp8=None if mode == "bf16" else cast
             )
             if mode == "bf16 + fp8 delayed":  # one update of every slot per step, with the step's flag
-                amax = _amaxes([seen[slot] for slot in FP8_SLOTS])  # every tensor's amax in one call
+                amax = fp8.amax([seen[slot] for slot in FP8_SLOTS])  # every tensor's amax in one pass
                 scaler, delayed, grads, finite = fp8.unscale_and_update(scaler, delayed, grads, amax)
             else:
                 grads, finite = scaler.unscale(grads)

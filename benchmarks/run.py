@@ -19,6 +19,12 @@ and to the best anchor installed, all measured in the same run:
   one kind of call, per call, against ``torch.amp.GradScaler``'s same call. On CUDA: the
   ``update()`` of both classes, host time per call and the launches of that call alone.
 
+* **FP8-W1**, **FP8-W2** (``--workloads FP8`` selects both): the FP8 bookkeeping of a step
+  (the amax of every tensor, the transition over every slot) on W1's and W2's data, against
+  torchao's and flax's on the same data (``benchmarks/rows_fp8.py``). These passes only read:
+  their GB/s are bytes read, their "x L" is L's time over theirs, and the note gives their read
+  speed against L's GB/s (bytes read and written).
+
 ``--gpu-only`` keeps the GPU rows and the GPU's L (``scripts/gpu-check.sh``).
 * Anchors: naive NumPy (``isfinite().all()`` + multiply per array), torch's fused kernel
   ``_amp_foreach_non_finite_check_and_unscale_``, ``torch.amp.GradScaler`` (unscale_ + step +
@@ -88,9 +94,15 @@ WORKLOADS: dict[str, tuple[list[tuple[int, ...]], str]] = {
     "W1h": (gpt2_small_shapes(), "float16"),
     "W2": ([(4096,)] * 2000, "float32"),
     "N": (nanogpt_shapes(), "float32"),
+    "FP8-W1": (gpt2_small_shapes(), "float32"),
+    "FP8-W2": ([(4096,)] * 2000, "float32"),
 }
 #: workloads that time single calls of a stateful scaler: only these providers have rows for them
 PER_CALL_WORKLOADS = {"N": ("torch",)}
+#: FP8 bookkeeping (benchmarks/rows_fp8.py): read-only passes, only the fp8 provider has rows
+FP8_WORKLOADS = {"FP8-W1": ("fp8",), "FP8-W2": ("fp8",)}
+#: names on the command line that stand for several workloads
+WORKLOAD_GROUPS = {"FP8": tuple(FP8_WORKLOADS)}
 
 
 _made: dict[tuple[str, int], list[np.ndarray]] = {}  # the current workload's arrays, drawn once
@@ -165,6 +177,8 @@ def budget(workload: str, quick: bool) -> dict[str, int]:
     # busy neighbour slows down is then simply not the best one, for every case alike
     if workload == "W0":
         return {"steps": 300 if quick else 500, "rounds": 5 if quick else 41}
+    if workload == "FP8-W2":
+        return {"steps": 6 if quick else 10, "rounds": 5 if quick else 25}
     if workload == "W2":
         return {"steps": 6 if quick else 10, "rounds": 5 if quick else 41}
     if workload in PER_CALL_WORKLOADS:  # one step is a whole iteration (40 scale() calls)
@@ -440,9 +454,10 @@ ROW_PROVIDERS: dict[str, Callable[[str], list[Case]]] = {"numpy": numpy_cases}
 
 def _register_optional() -> None:
     """Rows for the other backends live beside this file, one module each."""
-    for name in ("torch", "jax", "cupy"):
+    for name in ("torch", "jax", "cupy", "fp8"):
         module_path = os.path.join(HERE, f"rows_{name}.py")
-        if os.path.exists(module_path) and importlib.util.find_spec(name) is not None:
+        framework = "numpy" if name == "fp8" else name  # the FP8 rows load each framework they find
+        if os.path.exists(module_path) and importlib.util.find_spec(framework) is not None:
             spec = importlib.util.spec_from_file_location(f"rows_{name}", module_path)
             assert spec is not None
             assert spec.loader is not None
@@ -480,6 +495,11 @@ def report(results: list[Result], as_markdown: bool) -> str:
         ms = r.seconds * 1e3
         time_text = f"{ms * 1e3:.1f} us" if ms < 1 else f"{ms:.2f}"
         name = r.name + (" (anchor)" if r.anchor else "")
+        note = r.note
+        if r.workload in FP8_WORKLOADS and limit is not None and not r.limit:
+            # a read-only pass: its GB/s are bytes read, L's are bytes read and written
+            speed = f"reads at {r.gbps / limit.gbps:.2f}x L's GB/s"
+            note = f"{speed}; {note}" if note else speed
         rows.append(
             [
                 r.backend,
@@ -491,7 +511,7 @@ def report(results: list[Result], as_markdown: bool) -> str:
                 ratio_a if not r.limit else "-",
                 "-" if r.launches is None else f"{r.launches:g}",
                 "-" if r.host_us is None else f"{r.host_us:.1f}",
-                r.note,
+                note,
             ]
         )
     if as_markdown:
@@ -569,7 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backends", default=",".join(ROW_PROVIDERS), help="comma-separated (default: all installed: %(default)s)"
     )
-    parser.add_argument("--workloads", default="W0,W1,W1h,W2,N", help="comma-separated (default: %(default)s)")
+    parser.add_argument(
+        "--workloads",
+        default="W0,W1,W1h,W2,N,FP8",
+        help="comma-separated; FP8 stands for FP8-W1,FP8-W2 (default: %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (noisier)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
@@ -583,10 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [b for b in backends if b not in ROW_PROVIDERS]
     if unknown:
         parser.error(f"unknown or not installed backend(s) {unknown}; available: {sorted(ROW_PROVIDERS)}")
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = [w for name in args.workloads.split(",") if name for w in WORKLOAD_GROUPS.get(name, (name,))]
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
-        parser.error(f"unknown workload(s) {bad}; choose from {sorted(WORKLOADS)}")
+        parser.error(f"unknown workload(s) {bad}; choose from {sorted([*WORKLOADS, *WORKLOAD_GROUPS])}")
 
     print(
         f"# ampscale {ampscale.__version__} benchmark on {platform.machine()} {platform.processor() or ''}, "
@@ -596,8 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for workload in workloads:
         cases = [] if args.gpu_only else [limit_case(workload)]
+        only = {**PER_CALL_WORKLOADS, **FP8_WORKLOADS}.get(workload)
         for backend in backends:
-            if backend in PER_CALL_WORKLOADS.get(workload, (backend,)):
+            if (backend in only) if only is not None else backend not in ("fp8",):
                 cases += ROW_PROVIDERS[backend](workload)
         if args.gpu_only:
             cases = [c for c in cases if c.device == "gpu"]

@@ -22,10 +22,11 @@ past the deadline):
    take the exact pure-NumPy path), and the other stages still run;
 5. ``preflight``: versions, whether the one-launch CUDA step and the JAX CUDA custom call load;
 6. ``gpu-tests``: the tests marked ``gpu`` (one-launch CUDA step, CuPy, torch CUDA, the drop-in
-   on CUDA, the shared contract tests on the GPU frameworks), each test under a limit well
+   on CUDA, the fused FP8 pass, the shared contract tests on the GPU frameworks), each test under a limit well
    below the stage's;
 7. ``bench``: the GPU benchmark (``benchmarks/run.py --gpu-only``: torch CUDA, CuPy, the
-   drop-in's ``update()``), and the issue's targets read from it;
+   drop-in's ``update()``, the FP8 pass on W1: amax + cast against a copy of the same bytes),
+   and the issues' targets read from it;
 8. ``jax-tests``, 9. ``jax-bench``: JAX on the GPU (the CUDA custom call against XLA:GPU, and
    W1 beside torch's fused kernel, and W2);
 10. ``report``: the targets.
@@ -123,6 +124,7 @@ GPU_TEST_FILES = (
     "tests/test_examples.py",
     "tests/test_docs.py",
     "tests/test_in_place.py",
+    "tests/test_fp8_fused_gpu.py",
 )
 JAX_TEST_FILES = ("tests/test_jax_cuda_gpu.py", "tests/test_scaler.py", "tests/test_overflow_detection.py")
 
@@ -143,8 +145,8 @@ STAGES = (
     Stage("imports", 35, False, "import every module the checks need; who sees a GPU (nvidia-smi, torch, CuPy, JAX)"),
     Stage("build", 40, False, "setup.py build_ext --inplace, then import each built extension"),
     Stage("preflight", 20, False, "versions; whether the one-launch CUDA step and the JAX custom call load"),
-    Stage("gpu-tests", 110, True, "pytest -m gpu: CUDA step, CuPy, torch CUDA, drop-in, contract tests"),
-    Stage("bench", 60, True, "benchmarks/run.py --gpu-only (torch CUDA, CuPy, the drop-in's update)"),
+    Stage("gpu-tests", 110, True, "pytest -m gpu: CUDA step, CuPy, torch CUDA, drop-in, FP8 pass, contract tests"),
+    Stage("bench", 60, True, "benchmarks/run.py --gpu-only (torch CUDA, CuPy, the drop-in's update, FP8 W1)"),
     Stage("jax-tests", 50, True, "JAX on the GPU: the CUDA custom call against XLA:GPU, contract tests"),
     Stage("jax-bench", 45, True, "JAX GPU benchmark: W1 beside torch's fused kernel, and W2"),
     Stage("report", 5, False, "the targets, read from the benchmark rows"),
@@ -394,6 +396,17 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{j1['seconds'] / f1['seconds']:.2f}x",
             j1["seconds"] <= 1.2 * f1["seconds"],
         )
+    cast, copy = (
+        row("fp8-gpu", "FP8-W1", "ampscale fp8.amax_and_cast e4m3fn, torch CUDA"),
+        row("fp8-gpu", "FP8-W1", "device copy of the same bytes (copy_)"),
+    )
+    if cast and copy:
+        check(
+            "FP8 amax + cast of W1 within 1.1x of a copy of the same bytes (torch CUDA)",
+            f"{cast['seconds'] / copy['seconds']:.2f}x",
+            cast["seconds"] <= 1.1 * copy["seconds"],
+        )
+        check("FP8 amax + cast launches per step = 1", cast["launches"], cast["launches"] == 1)
     j2 = row("jax-gpu", "W2", jax_step)
     if j2:
         check(
@@ -692,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         run.say(f"gpu-tests: torch only (CuPy: {witnesses['cupy']})")
     pytest_stage("gpu-tests", GPU_TEST_FILES, select, cuda_reason)
     bench_backends = [b for b, sees in (("cupy", cupy_sees), ("torch", torch_sees)) if sees] or ["cupy", "torch"]
-    bench_stage("bench", bench_backends, "W0,W1,W1h,W2,N", cuda_reason)
+    # the FP8 rows (amax + cast of W1 against a copy of the same bytes) run on torch CUDA and CuPy
+    bench_stage("bench", [*bench_backends, "fp8"], "W0,W1,W1h,W2,N,FP8-W1", cuda_reason)
     # 8, 9: JAX on the GPU
     pytest_stage("jax-tests", JAX_TEST_FILES, ["-k", "jax"], jax_reason)
     # (torch's fused kernel is the row JAX's W1 is compared with; a skipped stage shows the GPU run's command)

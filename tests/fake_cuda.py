@@ -100,8 +100,11 @@ class Launches:
         return [name for name, _, _ in cls.log]
 
 
-#: the kernels of ``kernels.cu`` whose launches :func:`run_kernel` emulates block by block
-KNOWN_KERNELS = frozenset({"ampscale_step", "ampscale_update", "ampscale_update_fields"})
+#: the kernels of ``kernels.cu`` and ``fp8_kernels.cu`` whose launches :func:`run_kernel` emulates
+#: block by block
+KNOWN_KERNELS = frozenset(
+    {"ampscale_step", "ampscale_update", "ampscale_update_fields", "ampscale_fp8_pass", "ampscale_fp8_pass_step"}
+)
 
 
 def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None:
@@ -119,6 +122,24 @@ def run_kernel(so: ctypes.CDLL, name: str, grid: int, params: list[int]) -> None
     elif name == "ampscale_update_fields":
         assert grid == 1
         so.ampscale_host_update_fields(*params)
+    elif name == "ampscale_fp8_pass":
+        p, q = ctypes.c_void_p, ctypes.c_longlong
+        so.ampscale_fp8_host_pass.argtypes = [p, q, q, p, p, q, q, p, p, p, p, p, p, ctypes.c_int]
+        so.ampscale_fp8_host_pass.restype = ctypes.c_int
+        table, chunks, payload, scales, slots, options, top, clipped, ticket, amaxes, counts, finite = params
+        assert grid == max(1, chunks)
+        finished = so.ampscale_fp8_host_pass(
+            table, chunks, grid, payload, scales, slots, options, top, clipped, ticket, amaxes, counts, finite, 4
+        )
+        assert finished == grid - 1
+    elif name == "ampscale_fp8_pass_step":
+        # the pass's 12 parameters, then the state's, every one 8 bytes: passed through as they are
+        host = so.ampscale_fp8_host_pass_step
+        host.argtypes = [ctypes.c_longlong, ctypes.c_int, *([ctypes.c_ulonglong] * len(params))]
+        host.restype = ctypes.c_int
+        assert grid == max(1, params[1])
+        finished = host(grid, 4, *(int(value) & 0xFFFFFFFFFFFFFFFF for value in params))
+        assert finished == grid - 1
     elif hasattr(so, f"{name}_host"):
         # a kernel whose source carries its own harness, ``{name}_host(grid, *params)``, with
         # every parameter 8 bytes (pointers and long long), e.g. ampscale_fp8_update

@@ -107,6 +107,31 @@ def _run_module() -> types.ModuleType:
     return run
 
 
+def test_fp8_workloads_run_alone_with_every_group_and_its_anchor(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--workloads FP8`` runs the FP8 bookkeeping rows alone (small shapes here: a smoke run),
+    each group of ampscale rows beside its anchor, read speeds noted against L's."""
+    run = _run_module()
+    monkeypatch.setitem(run.WORKLOADS, "FP8-W1", ([(64, 48), (48,), (7,)], "float32"))
+    monkeypatch.setitem(run.WORKLOADS, "FP8-W2", ([(256,)] * 20, "float32"))
+    out = tmp_path / "results.json"
+    assert run.main(["--quick", "--workloads", "FP8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {row["workload"] for row in rows} == {"FP8-W1", "FP8-W2"}
+    assert {row["backend"] for row in rows} == {"limit", "fp8"}
+    for workload in ("FP8-W1", "FP8-W2"):
+        mine = [r for r in rows if r["workload"] == workload and r["backend"] == "fp8"]
+        groups = {r["group"] for r in mine if r["name"].startswith("ampscale")}
+        assert "amax" in groups
+        for group in groups:  # every group of ampscale rows has an anchor, where its package is installed
+            if group in ("torchao", "flax") and importlib.util.find_spec(group) is None:
+                continue
+            assert any(r["anchor"] and r["group"] == group for r in mine), (workload, group)
+        assert all(r["moved"] == sum(4 * math.prod(s) for s in run.WORKLOADS[workload][0]) for r in mine)
+    assert "reads at" in capsys.readouterr().out
+
+
 def test_the_targets_compare_rows_of_one_run_and_say_met_or_not() -> None:
     run = _run_module()
     result = run.Result

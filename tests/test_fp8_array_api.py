@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ampscale.fp8 as fp8
 from ampscale.fp8._config import FP8_PRESETS, make_fp8_config
-from ampscale.fp8._ops import Fp8ArrayOps
+from ampscale.fp8._ops import make_ops
 from tests.test_fp8_presets import amax_value
 
 xp = pytest.importorskip("array_api_strict")
@@ -66,13 +66,44 @@ def test_the_standard_power_of_two_rules_equal_the_bit_rules_on_every_exponent()
                 for sign in (0, 1 << 31):
                     values.append(sign | (biased << 23) | m)
     x = np.asarray(values, np.uint32).view(np.float32)
-    bit_ops, standard = Fp8ArrayOps("numpy"), Fp8ArrayOps("array_api", xp=xp)
+    bit_ops, standard = make_ops("numpy"), make_ops("array_api", xp=xp)
     for name in ("pow2_mask", "pow2_floor_log2"):
         want = getattr(bit_ops, name)(x.copy())
         got = np.from_dlpack(getattr(standard, name)(xp.asarray(x)))
         nan = np.isnan(want)
         assert (np.isnan(got) == nan).all(), name
         assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all(), name
+
+
+def test_the_standard_log2_exponent_and_window_rules_equal_the_bit_rules() -> None:
+    """MS-AMP's ``floor_log2`` and ``exp2_abs``, and the window's max, without a bitcast: every
+    exponent, subnormals by their leading bit, the specials, -0 and negatives."""
+    from ampscale.fp8._ops import floor_log2_thresholds, subnormal_floor_log2_thresholds
+
+    values = []
+    for biased in range(1, 255):
+        threshold = floor_log2_thresholds()[biased]
+        for m in {0, 1, (1 << 23) - 1, threshold - 1, threshold, threshold + 1}:
+            if 0 <= m < (1 << 23):
+                values += [(biased << 23) | m, (1 << 31) | (biased << 23) | m]
+    for j, threshold in enumerate(subnormal_floor_log2_thresholds()):
+        values += [f for f in (1 << j, threshold - 1, threshold, (1 << (j + 1)) - 1) if 1 << j <= f < 1 << 23]
+    values += [0, 1 << 31, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001, 0x80000001]
+    x = np.asarray(values, np.uint32).view(np.float32)
+    bit_ops, standard = make_ops("numpy"), make_ops("array_api", xp=xp)
+
+    def same_bits(got, want, name):
+        got, want = np.from_dlpack(got), np.asarray(want)
+        nan = np.isnan(want)
+        assert (np.isnan(got) == nan).all(), name
+        assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all(), name
+
+    same_bits(standard.floor_log2(xp.asarray(x)), bit_ops.floor_log2(x.copy()), "floor_log2")
+    exponents = np.float32([*range(-130, 131), np.inf, -np.inf, np.nan])
+    same_bits(standard.exp2_abs(xp.asarray(exponents)), bit_ops.exp2_abs(exponents), "exp2_abs")
+    rows = np.stack([x[i : i + 8] for i in range(0, len(x) - 8, 5)])
+    for rule in ("drop", "propagate"):
+        same_bits(standard.window_max(xp.asarray(rows), rule), bit_ops.window_max(rows, rule), rule)
 
 
 def test_the_scaler_on_array_api_strict_updates_casts_nothing_and_round_trips_checkpoints():
@@ -82,6 +113,9 @@ def test_the_scaler_on_array_api_strict_updates_casts_nothing_and_round_trips_ch
     assert f8.scales_sync() == {"x": 224.0, "w": 112.0, "dy": 7168.0}
     numpy_twin = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4).update([2.0, 4.0, 8.0])
     assert f8.state_dict() == numpy_twin.state_dict()
+    f8 = f8.update([1.0, 1.0, 1.0])  # the ring moves on; history() reads it oldest first
+    assert np.from_dlpack(f8.history()).tolist() == [[0.0, 0.0, 2.0, 1.0], [0.0, 0.0, 4.0, 1.0], [0.0, 0.0, 8.0, 1.0]]
+    assert np.from_dlpack(f8.state.head).tolist() == [2, 2, 2]
     again = fp8.create_fp8_scaler("te_delayed", SLOTS, backend="array_api_strict", history_len=4)
     again = again.load_state_dict(f8.state_dict())
     assert type(again.state.history).__module__.startswith("array_api_strict")

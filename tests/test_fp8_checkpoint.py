@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import types
 
 import numpy as np
 import pytest
@@ -25,7 +26,10 @@ def run(f8, stream):
 
 
 def fields(f8):
-    return [np.asarray(f.detach().numpy() if hasattr(f, "detach") else f) for f in f8.state]
+    """Every field of the state, the history in canonical order (a restored state starts its ring
+    at 0), the ring's head left out."""
+    state = f8.state._replace(history=f8.history(), head=None)
+    return [np.asarray(f.detach().numpy() if hasattr(f, "detach") else f) for f in state if f is not None]
 
 
 def test_json_round_trip_continues_the_trajectory_on_another_backend():
@@ -79,9 +83,11 @@ def test_transformer_engine_extra_state_imports_and_continues_as_te():
         "amax_history_bwd": bwd[cut - 1][1][:, None],
     }
     f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=length)
+    pytest.importorskip("torch")
+    raw = anchors.te_extra_state_bytes({"amax_history_len": length}, extra)
     with pytest.raises(ampscale.StateDictError, match="allow_pickle"):
-        from_transformer_engine(pickle.dumps(extra), f8.config)
-    f8 = f8.load_state_dict(from_transformer_engine(pickle.dumps(extra), f8.config, allow_pickle=True))
+        from_transformer_engine(raw, f8.config)
+    f8 = f8.load_state_dict(from_transformer_engine(raw, f8.config, allow_pickle=True))
     for t in range(cut, len(stream)):
         f8 = f8.update(np.float32([stream[t], stream[t]]))
         assert f8.scales_sync() == {"x": fwd[t][0], "dy": bwd[t][0]}
@@ -127,3 +133,119 @@ def test_bad_settings_name_the_setting(settings, message):
     preset = settings.pop("preset", "te_delayed")
     with pytest.raises(ValueError, match=message):
         fp8.create_fp8_scaler(preset, SLOTS, **settings)
+
+
+def test_a_missing_recipe_setting_is_refused_by_name():
+    """A checkpoint of margin 3 whose settings lost "margin" does not load into a margin-0 scaler
+    (it did, silently, when missing settings went unchecked)."""
+    saved = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4, margin=3).update(np.float32([2, 2])).state_dict()
+    del saved["ampscale_fp8"]["settings"]["margin"]
+    other = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4)
+    before = fields(other)
+    with pytest.raises(ampscale.StateDictError, match=r"misses recipe setting\(s\) \['margin'\]"):
+        other.load_state_dict(saved)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, fields(other), strict=True))
+
+
+def test_a_version_1_checkpoint_still_loads():
+    """Version 1 wrote no amax_nan, warmup or cast: it is read as holding what version 1 did."""
+    f8 = run(fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4), STREAM[:3])
+    saved = f8.state_dict()
+    saved["ampscale_fp8"]["version"] = 1
+    for name in ("amax_nan", "warmup", "cast"):
+        del saved["ampscale_fp8"]["settings"][name]
+    restored = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4).load_state_dict(saved)
+    assert [x.tobytes() for x in fields(restored)] == [x.tobytes() for x in fields(f8)]
+    saved["ampscale_fp8"]["settings"]["margin"] = 2
+    with pytest.raises(ampscale.StateDictError, match="margin: saved 2, this scaler 0"):
+        fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=4).load_state_dict(saved)
+
+
+TE_TENSORS = {
+    "scale_fwd": [64.0],
+    "amax_history_fwd": [[0.0], [3.0], [7.0]],
+    "scale_bwd": [8192.0],
+    "amax_history_bwd": [[0.0], [3.0], [7.0]],
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        ({"amax_history_len": 3, "amax_compute_algo": "most_recent"}, "amax_compute_algo='most_recent'; this scaler"),
+        ({"amax_history_len": 3, "fp8_format": "E4M3"}, "fp8_format='E4M3'; this scaler has 'HYBRID'"),
+        ({"amax_history_len": 3, "margin": 1}, "margin=1; this scaler has 0"),
+        ({"amax_history_len": 5}, "amax_history_len=5; this scaler has 3"),
+        ({"amax_history_len": 3, "amax_compute_algo": len}, "callable amax_compute_algo"),
+        ({"amax_history_len": 3, "scaling_factor_compute_algo": abs}, "scaling_factor_compute_algo"),
+    ],
+)
+def test_every_te_recipe_field_that_changes_the_trajectory_is_checked(recipe, message):
+    """Pickled as TE pickles it, or (for the callables, which the restricted unpickler refuses
+    to look up at all) as the dict TE's set_extra_state sees after unpickling."""
+    pytest.importorskip("torch")
+    config = fp8.make_fp8_config("te_delayed", SLOTS, history_len=3)
+    if any(callable(value) for value in recipe.values()):
+        extra = {"recipe": types.SimpleNamespace(**recipe), **{k: np.float32(v) for k, v in TE_TENSORS.items()}}
+    else:
+        extra = anchors.te_extra_state_bytes(recipe, TE_TENSORS)
+    with pytest.raises(ampscale.StateDictError, match=message):
+        from_transformer_engine(extra, config, allow_pickle=True)
+
+
+def test_a_te_2_checkpoint_loads_without_te():
+    """TE 2.x pickles transformer_engine.common.recipe.DelayedScaling: plain unpickling imports
+    TE, whose CPU meta package raises; ampscale's restricted unpickler reads it."""
+    pytest.importorskip("torch")
+    raw = anchors.te_extra_state_bytes({"amax_history_len": 3, "fp8_format": "HYBRID"}, TE_TENSORS)
+    with pytest.raises(RuntimeError, match="meta package"):
+        pickle.loads(raw.numpy().tobytes())
+    config = fp8.make_fp8_config("te_delayed", SLOTS, history_len=3)
+    f8 = fp8.Fp8Scaler(config, fp8.init_state(config)).load_state_dict(
+        from_transformer_engine(raw, config, allow_pickle=True)
+    )
+    assert f8.scales_sync() == {"x": 64.0, "dy": 8192.0}
+    assert np.asarray(f8.history(0)).tolist() == [0.0, 3.0, 7.0]
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path):
+    """Only TE's recipe classes and torch's tensor rebuilders are looked up: a pickle calling
+    anything else is refused before it runs."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    raw = pickle.dumps({"recipe": Payload(), "scale_fwd": None})
+    config = fp8.make_fp8_config("te_delayed", SLOTS, history_len=3)
+    with pytest.raises(ampscale.StateDictError, match=r"refers to (io|builtins)\.open.*refusing"):
+        from_transformer_engine(raw, config, allow_pickle=True)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("other", ["numpy", "torch"])
+def test_jax_checkpoints_load_on_numpy_and_torch_and_back(other):
+    jax = pytest.importorskip("jax")
+    pytest.importorskip(other)
+    import jax.numpy as jnp
+
+    stream = [[3.0, 7.0], [0.0, np.inf], [np.nan, 1e-40], [100.0, 5.0], [0.5, 0.0], [3e38, 2.0]]
+    on = {"numpy": lambda a: np.asarray(a, np.float32), "jax": lambda a: jnp.asarray(a, jnp.float32)}
+    if other == "torch":
+        import torch
+
+        on["torch"] = lambda a: torch.tensor(a, dtype=torch.float32)
+    step = jax.jit(lambda scaler, amax: scaler.update(amax))
+    for source, target in (("jax", other), (other, "jax")):
+        f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, backend=source, history_len=4)
+        for amax in stream[:3]:
+            f8 = step(f8, on[source](amax)) if source == "jax" else f8.update(on[source](amax))
+        saved = json.loads(json.dumps(f8.state_dict()))
+        restored = fp8.create_fp8_scaler("te_delayed", SLOTS, backend=target, history_len=4).load_state_dict(saved)
+        assert restored.framework == target
+        for amax in stream[3:]:
+            f8 = step(f8, on[source](amax)) if source == "jax" else f8.update(on[source](amax))
+            restored = step(restored, on[target](amax)) if target == "jax" else restored.update(on[target](amax))
+        for x, y in zip(fields(f8), fields(restored), strict=True):
+            assert x.tobytes() == y.tobytes(), f"{source} -> {target}"

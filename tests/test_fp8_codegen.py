@@ -1,32 +1,39 @@
 """The FP8 transition traced and emitted: Python and host-compiled C against the NumPy backend.
 
-Every preset, with drawn history lengths and margins and both roles, over drawn amax streams
-and skipped steps: the emitted Python (one slot at a time), the emitted C (all slots in one
-call, compiled with the host's ``cc -ffp-contract=off``) and the vectorised NumPy transition
-must agree bit for bit on every field and on the history. The CUDA build of the same source
-is compiled by NVRTC where it is installed.
+Every preset, every margin 0 to 3 and history lengths 1, 2, 16 and 1024, both roles: one C file
+holds all of these configurations (compiled once with the host's ``cc -ffp-contract=off``), and
+each runs a fixed, seeded stream of amaxes (normal values, 0, subnormals, float32's smallest
+normal, FLT_MAX / 2, inf, nan, runs of zeros) and skipped steps, long enough for the short rings
+to wrap. The emitted Python (one slot at a time), the emitted C (all slots in one call, its
+history updated in place and out of place on alternate steps) and the vectorised NumPy
+transition must agree bit for bit on every field, the ring buffer and its head included. The
+CUDA build of the same source is compiled by NVRTC where it is installed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import ampscale.fp8 as fp8
 from ampscale._codegen import C_PRELUDE
 from ampscale.fp8._codegen import FP8_C_PRELUDE, c_transition, python_slot_transition
 from ampscale.fp8._config import FP8_PRESETS, make_fp8_config
-from tests.test_fp8_presets import amax_value
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 PRESETS = sorted(FP8_PRESETS)
 SLOTS = {"x": "forward", "w": "forward", "dy": "backward"}
+MARGINS = (0, 1, 2, 3)
+LENGTHS = (1, 2, 16, 1024)
+CONFIGS = list(itertools.product(PRESETS, MARGINS, LENGTHS))
+STEPS = 40
+F32 = np.float32
+SPECIAL = F32([0.0, 1e-45, 1e-40, np.finfo(F32).tiny, 3e-38, np.finfo(F32).max / 2, 3e38, np.inf, np.nan])
 
 
 class _Slot(ctypes.Structure):
@@ -36,52 +43,47 @@ class _Slot(ctypes.Structure):
         ("filled", ctypes.c_int),
         ("zero_amax", ctypes.c_int),
         ("nonfinite", ctypes.c_int),
+        ("head", ctypes.c_int),
     ]
+
+
+def stream(seed: int) -> list[tuple[np.ndarray, bool]]:
+    """A fixed stream of ``STEPS`` amax vectors (3 slots) and step flags."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(STEPS):
+        kind = rng.random(3)
+        normal = F32(2.0) ** rng.integers(-10, 14, 3).astype(F32) * rng.uniform(1, 2, 3).astype(F32)
+        special = SPECIAL[rng.integers(0, len(SPECIAL), 3)]
+        amax = np.where(kind < 0.55, normal, np.where(kind < 0.75, F32(0.0), special)).astype(F32)
+        steps.append((amax, bool(rng.random() < 0.8)))
+    return steps
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     if CC is None:
         pytest.skip("no C compiler")
-    configs = {(p, length): make_fp8_config(p, SLOTS, history_len=length) for p in PRESETS for length in (1, 3)}
     parts = [C_PRELUDE, FP8_C_PRELUDE]
-    for k, config in enumerate(configs.values()):
-        parts.append(c_transition(config, prefix=f"c{k}_"))
-    tmp = tmp_path_factory.mktemp("fp8c")
-    source = tmp / "fp8.c"
-    source.write_text(
-        "\n".join(parts)
-        + "\n"
-        + "\n".join(
+    for k, (preset, margin, length) in enumerate(CONFIGS):
+        parts.append(c_transition(make_fp8_config(preset, SLOTS, margin=margin, history_len=length), prefix=f"c{k}_"))
+        parts.append(
             f"void run{k}(const void* in, void* out, const float* h, float* ho, const float* a, const float* m,"
-            " int ok, int* u, int n)"
-            f" {{ c{k}_transition(in, out, h, ho, a, m, ok, u, n); }}"
-            for k in range(len(configs))
+            f" int ok, int* u, int n) {{ c{k}_transition(in, out, h, ho, a, m, ok, u, n); }}"
         )
-    )
-    lib = tmp / "fp8.so"
-    subprocess.run(
-        [
-            CC,
-            "-std=c11",
-            "-O2",
-            "-Wall",
-            "-Werror",
-            "-Wno-unused-function",
-            "-ffp-contract=off",
-            "-fPIC",
-            "-shared",
-            "-o",
-            str(lib),
-            str(source),
-        ],
-        check=True,
-        timeout=600,
-    )
-    return ctypes.CDLL(str(lib)), list(configs)
+    return compile_library(tmp_path_factory.mktemp("fp8c"), "\n".join(parts))
 
 
-def run_c(so, k, config, state, amax, ok):
+def compile_library(folder, source: str):
+    path = folder / "fp8.c"
+    path.write_text(source)
+    lib = folder / "fp8.so"
+    flags = ["-std=c11", "-O1", "-Wall", "-Werror", "-Wno-unused-function", "-ffp-contract=off", "-fPIC", "-shared"]
+    subprocess.run([CC, *flags, "-o", str(lib), str(path)], check=True, timeout=600)
+    return ctypes.CDLL(str(lib))
+
+
+def run_c(function, config, state, amax, ok, in_place):
     n = config.size
     slots = (_Slot * n)(
         *[
@@ -91,18 +93,19 @@ def run_c(so, k, config, state, amax, ok):
                 int(state.filled[i]),
                 int(state.zero_amax[i]),
                 int(state.nonfinite[i]),
+                int(state.head[i]),
             )
             for i in range(n)
         ]
     )
-    history = np.ascontiguousarray(state.history, np.float32)
+    history = np.array(state.history, np.float32, order="C")
+    out_history = history if in_place else np.empty_like(history)
     amax = np.ascontiguousarray(amax, np.float32)
     fmax = np.asarray(config.slot_max, np.float32)
     updated = np.zeros(n, np.int32)
-    out = (_Slot * n)()
-    out_history = np.empty_like(history)
+    out = slots if in_place else (_Slot * n)()
     ptr = ctypes.c_void_p
-    getattr(so, f"run{k}")(
+    function(
         slots,
         out,
         ptr(history.ctypes.data),
@@ -113,62 +116,69 @@ def run_c(so, k, config, state, amax, ok):
         ptr(updated.ctypes.data),
         n,
     )
-    scale = np.asarray([s.scale for s in out], np.float32)
-    scale_inv = np.asarray([s.scale_inv for s in out], np.float32)
-    counters = [np.asarray([getattr(s, f) for s in out], np.int32) for f in ("filled", "zero_amax", "nonfinite")]
-    return scale, scale_inv, out_history, counters, updated.astype(bool)
+    fields = {f: np.asarray([getattr(s, f) for s in out]) for f, _ in _Slot._fields_}
+    return fields, out_history, updated.astype(bool)
 
 
 def bits(a):
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
-@given(data=st.data())
-def test_emitted_c_and_python_equal_the_numpy_transition(library, data):
-    so, keys = library
-    k = data.draw(st.integers(0, len(keys) - 1))
-    preset, length = keys[k]
-    config = make_fp8_config(preset, SLOTS, history_len=length)
-    python = python_slot_transition(config)
-    steps = data.draw(st.integers(1, 8))
-    state = fp8.init_state(config, "numpy")
-    for _ in range(steps):
-        amax = np.asarray(data.draw(st.lists(amax_value, min_size=3, max_size=3)), np.float32)
-        ok = data.draw(st.booleans())
-        c_scale, c_inv, c_hist, c_counts, c_updated = run_c(so, k, config, state, amax, ok)
-        py = [
-            python(
-                float(state.scale[i]),
-                float(state.scale_inv[i]),
-                tuple(state.history[i].tolist()),
-                int(state.filled[i]),
-                int(state.zero_amax[i]),
-                int(state.nonfinite[i]),
-                float(amax[i]),
-                float(config.slot_max[i]),
-                ok,
-            )
-            for i in range(3)
-        ]
-        state, updated = fp8.update_state(config, state, amax, ok)
-        where = f"{preset} L={length} amax={amax.tolist()} ok={ok}"
-        assert (bits(c_scale) == bits(state.scale)).all(), f"C scale {c_scale} != {state.scale} ({where})"
-        assert (bits(c_inv) == bits(state.scale_inv)).all(), f"C scale_inv {c_inv} != {state.scale_inv} ({where})"
-        assert (bits(c_hist) == bits(state.history)).all(), f"C history ({where})"
-        for got, field in zip(c_counts, ("filled", "zero_amax", "nonfinite"), strict=True):
-            assert (got == getattr(state, field)).all(), f"C {field} ({where})"
-        assert (c_updated == np.asarray(updated)).all(), f"C updated ({where})"
-        for i, (fields, up) in enumerate(py):
-            assert bits(fields[0]) == bits(state.scale[i]), f"Python scale {fields[0]} != {state.scale[i]} ({where})"
-            assert bits(fields[1]) == bits(state.scale_inv[i]), f"Python scale_inv ({where})"
-            assert (bits(np.asarray(fields[2], np.float32)) == bits(state.history[i])).all(), (
-                f"Python history ({where})"
-            )
-            assert tuple(fields[3:]) == (state.filled[i], state.zero_amax[i], state.nonfinite[i]), where
-            assert bool(up) == bool(np.asarray(updated)[i]), where
+def compare_step(config, state, amax, ok, c_result, python, where):
+    """Step the NumPy transition and check C's and Python's results against it; the next state."""
+    c_fields, c_history, c_updated = c_result
+    py = [
+        python(
+            float(state.scale[i]),
+            float(state.scale_inv[i]),
+            tuple(state.history[i].tolist()),
+            int(state.filled[i]),
+            int(state.zero_amax[i]),
+            int(state.nonfinite[i]),
+            int(state.head[i]),
+            float(amax[i]),
+            float(config.slot_max[i]),
+            ok,
+        )
+        for i in range(config.size)
+    ]
+    state, updated = fp8.update_state(config, state, amax, ok)
+    for field in ("scale", "scale_inv"):
+        assert (bits(c_fields[field]) == bits(getattr(state, field))).all(), (
+            f"C {field} {c_fields[field]} != {getattr(state, field)} ({where})"
+        )
+    for field in ("filled", "zero_amax", "nonfinite", "head"):
+        assert (c_fields[field] == getattr(state, field)).all(), f"C {field} ({where})"
+    assert (bits(c_history) == bits(state.history)).all(), f"C history ({where})"
+    assert (c_updated == np.asarray(updated)).all(), f"C updated ({where})"
+    for i, (fields, up) in enumerate(py):
+        assert bits(fields[0]) == bits(state.scale[i]), f"Python scale {fields[0]} != {state.scale[i]} ({where})"
+        assert bits(fields[1]) == bits(state.scale_inv[i]), f"Python scale_inv ({where})"
+        assert (bits(np.asarray(fields[2], np.float32)) == bits(state.history[i])).all(), f"Python history ({where})"
+        counters = (state.filled[i], state.zero_amax[i], state.nonfinite[i], state.head[i])
+        assert tuple(fields[3:]) == counters, f"Python counters ({where})"
+        assert bool(up) == bool(np.asarray(updated)[i]), f"Python updated ({where})"
+    return state
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_emitted_c_and_python_equal_the_numpy_transition(library, preset):
+    checked = 0
+    for k, (name, margin, length) in enumerate(CONFIGS):
+        if name != preset:
+            continue
+        config = make_fp8_config(preset, SLOTS, margin=margin, history_len=length)
+        python = python_slot_transition(config)
+        function = getattr(library, f"run{k}")
+        state = fp8.init_state(config, "numpy")
+        for t, (amax, ok) in enumerate(stream(k)):
+            result = run_c(function, config, state, amax, ok, in_place=t % 2 == 0)
+            where = f"{preset} margin={margin} L={length} step {t} amax={amax.tolist()} ok={ok}"
+            state = compare_step(config, state, amax, ok, result, python, where)
+        if length <= 16:
+            assert int(state.filled.max()) >= length or preset in ("msamp",), "the ring never wrapped"
+        checked += 1
+    assert checked == len(MARGINS) * len(LENGTHS)
 
 
 def test_the_trace_has_no_value_branch_and_every_preset_emits():
@@ -179,14 +189,27 @@ def test_the_trace_has_no_value_branch_and_every_preset_emits():
         assert " if (" not in source.split("_slot(")[1].split("AMPSCALE_FN void")[0]
 
 
-def test_a_broken_c_rule_is_caught(library, tmp_path):
-    """The comparison can fail: TE's fused rule emitted with the unfused rounding differs."""
+def test_a_broken_c_rule_is_caught(tmp_path):
+    """The comparison can fail: TE's fused update emitted in C with the unfused rounding (two
+    roundings, ``reciprocal(m) * fp8_max``), compiled and run against the NumPy fused update."""
+    if CC is None:
+        pytest.skip("no C compiler")
     fused = make_fp8_config("te_delayed", SLOTS, history_len=3)
-    state = fp8.init_state(fused, "numpy")
+    wrapper = (
+        "void run(const void* in, void* out, const float* h, float* ho, const float* a, const float* m, int ok,"
+        " int* u, int n) { r_transition(in, out, h, ho, a, m, ok, u, n); }"
+    )
     amax = np.float32([3.0, 7.0, 0.43750003])
-    good, _ = fp8.update_state(fused, state, amax)
-    other, _ = fp8.update_state(fused.replace(scale_rule="reciprocal"), state, amax)
-    assert (bits(good.scale) != bits(other.scale)).any()
+    results = {}
+    for label, config in (("broken", fused.replace(scale_rule="reciprocal")), ("good", fused)):
+        folder = tmp_path / label
+        folder.mkdir()
+        library = compile_library(folder, "\n".join([C_PRELUDE, FP8_C_PRELUDE, c_transition(config, "r_"), wrapper]))
+        results[label] = run_c(library.run, fused, fp8.init_state(fused, "numpy"), amax, True, in_place=True)
+    python = python_slot_transition(fused)
+    with pytest.raises(AssertionError, match="C scale"):
+        compare_step(fused, fp8.init_state(fused, "numpy"), amax, True, results["broken"], python, "broken")
+    compare_step(fused, fp8.init_state(fused, "numpy"), amax, True, results["good"], python, "good")
 
 
 def test_the_cuda_source_compiles_with_nvrtc():
@@ -223,3 +246,12 @@ def test_the_cuda_source_compiles_with_nvrtc():
     for k in range(len(PRESETS)):
         assert f"update{k}" in text
     assert "fma.rn.f32" not in text  # no contraction: the divisions and products round once each
+
+
+def test_the_stream_reaches_every_kind_of_amax():
+    """The fixed streams hold what the comparison must see: 0, subnormals, inf, nan, huge values."""
+    values = np.concatenate([a for k in range(len(CONFIGS)) for a, _ in stream(k)])
+    for kind in (values == 0, np.isnan(values), np.isinf(values), (values > 0) & (values < np.finfo(F32).tiny)):
+        assert kind.any()
+    assert (values >= F32(1e38)).any()
+    assert len(CONFIGS) == len(PRESETS) * len(MARGINS) * len(LENGTHS)

@@ -63,7 +63,8 @@ class Fp8Reference:
     def __init__(self, config: fp8.Fp8Config) -> None:
         self.config = config
         self.function = python_slot_transition(config)
-        self.slots = [(1.0, 1.0, (0.0,) * config.history_len, 0, 0, 0) for _ in config.slots]
+        # scale, scale_inv, the history ring, filled, zero_amax, nonfinite, head
+        self.slots = [(1.0, 1.0, (0.0,) * config.history_len, 0, 0, 0, 0) for _ in config.slots]
 
     def update(self, amax: list[float], step_ok: bool) -> None:
         self.slots = [
@@ -154,7 +155,7 @@ def test_fp16_and_bf16_plus_fp8_against_a_separate_reference(name: str, preset: 
             assert bits(state[0][k]) == bits(fields[0]), f"scale of slot {k}, {where}"
             assert bits(state[1][k]) == bits(fields[1]), f"scale_inv of slot {k}, {where}"
             assert bits(state[2][k]) == bits(fields[2]), f"history of slot {k}, {where}"
-            assert [state[3][k], state[4][k], state[5][k]] == list(fields[3:]), where
+            assert [state[3][k], state[4][k], state[5][k], state[7][k]] == list(fields[3:]), where
     outcome = scaler.get_stats()
     assert outcome["skipped_steps"] == 2
     assert outcome["loss_overflows"] == 1
@@ -170,7 +171,7 @@ def test_each_presets_skipped_step_policy() -> None:
         for gradient, _loss, amax in STEPS[:4]:
             grads = [np.full(3, gradient * scaler.get_scale(), np.float32)]
             scaler, f8, _grads, _finite = fp8.unscale_and_update(scaler, f8, grads, np.float32(amax))
-        histories[preset] = f8.state.history[2].tolist()
+        histories[preset] = f8.history(2).tolist()
         if preset == "te_delayed":
             assert f8.state.nonfinite[2] == 1
     assert histories["te_delayed"] == [40.0, 60.0, INF, 10.0]
@@ -192,11 +193,11 @@ def test_loss_scale_invariant_gradient_amaxes_are_exact_and_follow_no_backoff() 
             grads = [np.full(2, gradient * scale, np.float32)]
             step = fp8.unscale_and_update(scaler, f8, grads, amax, loss_scale_invariant=opt_in)
             scaler, f8 = step.scaler, step.fp8_scaler
-            out.append(float(f8.state.history[2][-1]))
+            out.append(float(f8.history(2)[-1]))
     assert invariant == [np.float32(0.3)] * 3
     assert raw == [np.float32(0.3) * 2**10, np.float32(0.3) * 2**10, np.float32(0.3) * 2**9]
     # forward slots are never divided
-    assert f8.state.history[0][-1] == 1.0
+    assert f8.history(0)[-1] == 1.0
 
 
 def test_loss_scale_invariant_refuses_a_scale_that_is_not_a_power_of_two_and_changes_nothing() -> None:
@@ -251,8 +252,8 @@ def test_the_group_setting_of_the_loss_scaler_is_the_default_group() -> None:
     assert seen[0].tolist() == [3.0, 2.0, 5.0, 0.0, 0.0, 0.0, 0.0]
     assert not bool(step.finite)
     assert step.scaler.get_scale() == 2.0
-    assert np.isnan(step.fp8_scaler.state.history[2][-1])  # te_delayed records the skipped step
-    assert step.fp8_scaler.state.history[:2, -1].tolist() == [3.0, 9.0]
+    assert np.isnan(step.fp8_scaler.history(2)[-1])  # te_delayed records the skipped step
+    assert step.fp8_scaler.history()[:2, -1].tolist() == [3.0, 9.0]
 
 
 # ------------------------------------------------------------------------------ accumulation
@@ -305,7 +306,7 @@ def test_accumulated_micro_batches_write_the_history_once_and_the_largest_amax_w
             acc = fp8.combine_amax(acc, amax)
         combined = combined.update(acc)
         last_wins = last_wins.update(micro_batches[-1])
-    assert combined.state.history[0].tolist() == [0.0, 0.0, 100.0, 100.0]
+    assert combined.history(0).tolist() == [0.0, 0.0, 100.0, 100.0]
     assert combined.state.filled[0] == 2  # one write per optimizer step, not one per micro-batch
     x = np.float32([100.0, -100.0])
     assert np.abs(combined.qdq(x, "x")).max() == 100.0
@@ -318,14 +319,13 @@ def test_a_nan_micro_batch_survives_the_accumulation() -> None:
         acc = fp8.combine_amax(acc, amax)
     f8 = fp8.create_fp8_scaler("ampscale", ["a", "b"], history_len=2).update(acc)
     assert f8.state.nonfinite.tolist() == [0, 1]  # counted, not written, the scale kept
-    assert f8.state.history[1].tolist() == [0.0, 0.0]
+    assert f8.history(1).tolist() == [0.0, 0.0]
 
 
 def test_the_amaxes_of_many_tensors_in_one_call() -> None:
-    """``_amaxes``, the one place a fused multi-tensor pass replaces: per tensor, in order,
-    nan if it holds a nan, else inf if it holds an inf, 0 for an empty one."""
-    from ampscale.fp8._amax import _amaxes
-
+    """``fp8.amax``, the fused pass the demo and the hooks take their amaxes from: per tensor, in
+    order, nan if it holds a nan, else inf if it holds an inf, 0 for an empty one; on every
+    framework, an array-API namespace included."""
     leaves = [
         np.float32([[1.0, -7.0], [2.0, 3.0]]),
         np.float16([np.inf, 1.0]),
@@ -333,15 +333,20 @@ def test_the_amaxes_of_many_tensors_in_one_call() -> None:
         np.zeros(0, np.float32),
         np.float64([-0.5]),
     ]
-    got = _amaxes(leaves)
+    got = fp8.amax(leaves)
     assert got.dtype == np.float32
     assert ["nan" if v != v else v for v in got.tolist()] == [7.0, INF, "nan", 0.0, 0.5]
     torch = pytest.importorskip("torch")
-    assert _amaxes([torch.tensor([1.0, -2.0]), torch.tensor([3.0])]).tolist() == [2.0, 3.0]
-    with pytest.raises(TypeError, match="tensor 1 is a Tensor"):
-        _amaxes([np.float32([1.0]), torch.tensor([1.0])])
-    with pytest.raises(ValueError, match="at least one tensor"):
-        _amaxes([])
+    assert fp8.amax([torch.tensor([1.0, -2.0]), torch.tensor([3.0])]).tolist() == [2.0, 3.0]
+    with pytest.raises(TypeError, match=r"leaf \[1\] a torch array"):
+        fp8.amax([np.float32([1.0]), torch.tensor([1.0])])
+    with pytest.raises(ValueError, match="at least one array"):
+        fp8.amax([])
     xp = pytest.importorskip("array_api_strict")
-    got = _amaxes([xp.asarray([1.0, NAN], dtype=xp.float32), xp.asarray([-4.0], dtype=xp.float32)])
+    got, finite = fp8.amax(
+        [xp.asarray([1.0, NAN], dtype=xp.float32), xp.asarray([-4.0], dtype=xp.float32)], with_finite=True
+    )
     assert ["nan" if v != v else v for v in np.from_dlpack(got).tolist()] == ["nan", 4.0]
+    assert not bool(finite)
+    with pytest.raises(TypeError, match="leaf \\[0\\] has dtype int32"):
+        fp8.amax([xp.asarray([1], dtype=xp.int32)])

@@ -134,6 +134,7 @@ def test_the_host_build_equals_the_python_transition_bit_for_bit(preset, length,
                 int(reference.filled[i]),
                 int(reference.zero_amax[i]),
                 int(reference.nonfinite[i]),
+                int(reference.head[i]),
                 float(amax32[i]),
                 config.slot_max[i],
                 ok,
@@ -195,7 +196,8 @@ STREAM = [
 ]
 
 
-@pytest.mark.parametrize("preset", ["ampscale", "te_delayed", "torchao_rowwise", "keras"])
+# torchao_delayed writes its first amax twice into the ring; msamp scales in time while warming up
+@pytest.mark.parametrize("preset", ["ampscale", "te_delayed", "torchao_rowwise", "keras", "torchao_delayed", "msamp"])
 def test_cupy_launches_one_kernel_per_update_built_by_ampscales_nvrtc_call(monkeypatch, fresh_modules, preset) -> None:
     with cupy_on_host(monkeypatch) as (cp, _module):
         f8 = fp8.create_fp8_scaler(preset, SLOTS, backend="cupy", history_len=3)
@@ -214,6 +216,37 @@ def test_cupy_launches_one_kernel_per_update_built_by_ampscales_nvrtc_call(monke
         assert "--fmad=false" in options
         assert name == "ampscale_fp8.cu"
         assert type(f8.state.scale).__module__ == "cupy"
+
+
+def test_cupy_donated_writes_the_ring_in_place_and_a_canonical_state_starts_at_head_0(
+    monkeypatch, fresh_modules
+) -> None:
+    """``donate=True``: the kernel's outputs are the old arrays (one store per written amax);
+    a state built by hand in canonical order (``head=None``) reads as head 0, as on NumPy."""
+    with cupy_on_host(monkeypatch) as (cp, _module):
+        f8 = fp8.create_fp8_scaler("te_delayed", SLOTS, backend="cupy", history_len=3)
+        reference = fp8.create_fp8_scaler("te_delayed", SLOTS, history_len=3)
+        for k, (amax, ok) in enumerate(STREAM):
+            buffers = [id(field) for field in f8.state]
+            before = len(Launches.log)
+            f8 = f8.update(cp.asarray(np.float32(amax)), step_ok=ok, donate=True)
+            reference = reference.update(np.float32(amax), step_ok=ok)
+            assert [name for name, _, _ in Launches.log[before:]] == [_cuda.KERNEL]
+            assert [id(field) for field in f8.state] == buffers, f"step {k}: new arrays"
+            for name, got, want in zip(fp8.Fp8State._fields, f8.state, reference.state, strict=True):
+                assert (bits(np.asarray(got)) == bits(want)).all(), f"{name} at step {k}"
+        assert np.asarray(f8.state.head).tolist() != [0, 0, 0]  # the ring has moved on
+
+        config = make_fp8_config("ampscale", SLOTS, history_len=3)
+        canonical = fp8.init_state(config, "numpy")._replace(
+            history=np.float32([[1.0, 2.0, 3.0], [0.5, 0.25, 0.0], [9.0, 8.0, 7.0]]), head=None
+        )
+        want, _ = fp8.update_state(config, canonical, np.float32([4.0, 0.75, 1.0]))
+        on_device = fp8.Fp8State(*(None if f is None else cp.asarray(f) for f in canonical))
+        got, _ = fp8.update_state(config, on_device, cp.asarray(np.float32([4.0, 0.75, 1.0])))
+        assert np.asarray(got.head).tolist() == [1, 1, 1]
+        for name, a, b in zip(fp8.Fp8State._fields, got, want, strict=True):
+            assert (bits(np.asarray(a)) == bits(b)).all(), name
 
 
 def test_cupy_without_the_kernel_runs_the_eager_path_and_warns_once(monkeypatch, fresh_modules) -> None:
@@ -236,7 +269,7 @@ def test_cupy_without_the_kernel_runs_the_eager_path_and_warns_once(monkeypatch,
         assert np.asarray(again.state.scale).tolist() == [224.0, 112.0, 7168.0]
 
 
-@pytest.mark.parametrize("preset", ["ampscale", "te_delayed"])
+@pytest.mark.parametrize("preset", ["ampscale", "te_delayed", "torchao_delayed"])
 def test_torch_cuda_launches_one_kernel_per_update_through_the_driver_launcher(
     monkeypatch, fresh_modules, preset
 ) -> None:

@@ -85,7 +85,7 @@ for k in range(4):
     results.append({
         "finite": bool(finite), "ok": ok, "same_fp8": same,
         "scale": scaler.get_scale(), "reference_scale": reference_scaler.get_scale(),
-        "dy_history": np.asarray(f8.state.history[2]).tolist(),
+        "dy_history": np.asarray(f8.history(2)).tolist(),
     })
 print(json.dumps(results))
 """
@@ -153,7 +153,7 @@ def _scenarios(rank: int) -> dict:
                     "calls": calls[start:],
                     "finite": bool(result.finite),
                     "reason": scaler.outcome.reason_name(int(scaler.outcome.reason)),
-                    "history": f8.state.history.tolist(),
+                    "history": f8.history().tolist(),
                     "scale": scaler.get_scale(),
                 }
             )
@@ -162,7 +162,7 @@ def _scenarios(rank: int) -> dict:
         alone = fp8.create_fp8_scaler("ampscale", ["a", "b"], backend="torch", history_len=2)
         alone = alone.update(torch.tensor([math.nan if rank == 1 else 2.0, 5.0 * (rank + 1)]), group="world")
         out["update_calls"] = calls[start:]
-        out["update_state"] = {"nonfinite": alone.state.nonfinite.tolist(), "history": alone.state.history.tolist()}
+        out["update_state"] = {"nonfinite": alone.state.nonfinite.tolist(), "history": alone.history().tolist()}
         try:
             fp8.create_fp8_scaler("ampscale", ["a"], backend="torch").update(torch.tensor([1.0]))
         except ValueError as exc:
@@ -279,7 +279,7 @@ def test_cupy_one_nccl_all_reduce_per_update_with_nan_kept(monkeypatch) -> None:
             f8 = f8.update(cp.asarray(np.float32([1.0, 2.0])), group=NcclCommunicator())
         assert calls == [(True, 4, 7, 2, stream.ptr)]
         assert [name for name, _, _ in Launches.log[before:]] == [_cuda.KERNEL]
-        assert np.asarray(f8.state.history).tolist() == [[0.0, 5.0], [0.0, 0.0]]
+        assert np.asarray(f8.history()).tolist() == [[0.0, 5.0], [0.0, 0.0]]
         assert np.asarray(f8.state.nonfinite).tolist() == [0, 1]  # the other rank's nan, counted here
         with pytest.raises(TypeError, match=r"group must be None, a callable .* got 'world' for cupy arrays"):
             f8.update(cp.asarray(np.float32([1.0, 2.0])), group="world")

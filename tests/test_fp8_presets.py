@@ -71,7 +71,7 @@ def ours(preset: str, stream: list[float], role: str, **settings_) -> list[tuple
     for a in stream:
         f8 = f8.update(np.asarray([a], np.float32))
         s = f8.state
-        out.append((float(s.scale[0]), float(s.scale_inv[0]), np.asarray(s.history[0]).copy()))
+        out.append((float(s.scale[0]), float(s.scale_inv[0]), np.asarray(f8.history(0)).copy()))
     return out
 
 
@@ -202,4 +202,65 @@ def test_keras_matches_float8_bookkeeping(stream, length, role, data):
         keras_scale, keras_history = theirs[t]
         s = f8.state
         assert same(s.scale_inv[0], keras_scale), f"step {t}: scale_inv {s.scale_inv[0]!r} != keras {keras_scale!r}"
-        assert same(np.concatenate([s.history[0][-1:], s.history[0][:-1]]), keras_history), f"step {t}: history"
+        h = f8.history(0)
+        assert same(np.concatenate([h[-1:], h[:-1]]), keras_history), f"step {t}: history"
+
+
+def cast_scale_inv(f8, a: float, slot: int = 0) -> float:
+    """The inverse scale the scaler's next cast of a tensor whose amax is ``a`` uses."""
+    _q, scale_inv, _amax = f8.quantize(np.asarray([a], np.float32), slot)
+    return float(scale_inv)
+
+
+@CASES
+@given(stream=streams, margin=margins, role=roles, window=st.sampled_from([1, 2, 16]))
+def test_msamp_matches_its_scaling_meta(stream, margin, role, window):
+    """MS-AMP's ScalingMeta (its TorchScript rule compiled from its own text, its cast and
+    optimizer update transcribed): the scale each cast uses (in time during the warm-up), then
+    the scale, the window and the warm-up counter after each update."""
+    pytest.importorskip("torch")
+    f8 = fp8.create_fp8_scaler("msamp", slots={"t": role}, history_len=window, margin=margin)
+    theirs = anchors.msamp_run(stream, fp8_max(role), window, margin)
+    for t, (a, (cast_scale, scale, window_values, counter)) in enumerate(zip(stream, theirs, strict=True)):
+        with np.errstate(divide="ignore"):
+            expected_inv = np.float32(1.0) / np.float32(cast_scale)
+        assert same(cast_scale_inv(f8, a), expected_inv), f"step {t}: cast with 1/{cast_scale!r}"
+        f8 = f8.update(np.asarray([a], np.float32))
+        s = f8.state
+        assert same(s.scale[0], scale), f"step {t}: scale {s.scale[0]!r} != MS-AMP {scale!r}"
+        h = np.asarray(f8.history(0))
+        assert same(np.concatenate([[0.0], h[1:][::-1]]), window_values), f"step {t}: window {h} vs {window_values}"
+        assert int(s.filled[0]) == counter, f"step {t}: warm-up counter"
+
+
+@CASES
+@given(stream=streams, role=roles, data=st.data())
+def test_torchao_delayed_matches_the_removed_delayed_scaling(stream, role, data):
+    """torchao's delayed scaling before pytorch/ao#1753 (transcribed, with the installed
+    ``amax_to_scale``): the first cast scales by its own amax, the first sync writes it twice,
+    then 16 amaxes newest first; every sync records (a skipped optimizer step included)."""
+    pytest.importorskip("torchao")
+    skipped = data.draw(st.lists(st.booleans(), min_size=len(stream), max_size=len(stream)))
+    f8 = fp8.create_fp8_scaler("torchao_delayed", slots={"t": role})
+    theirs = anchors.torchao_delayed_run(stream, fmt_of(role))
+    for t, (a, (cast_scale, scale, history)) in enumerate(zip(stream, theirs, strict=True)):
+        with np.errstate(divide="ignore"):
+            expected_inv = np.float32(1.0) / np.float32(cast_scale)
+        assert same(cast_scale_inv(f8, a), expected_inv), f"step {t}: cast with 1/{cast_scale!r}"
+        f8 = f8.update(np.asarray([a], np.float32), step_ok=not skipped[t])
+        assert same(f8.state.scale[0], scale), f"step {t}: scale {f8.state.scale[0]!r} != torchao {scale!r}"
+        assert same(np.asarray(f8.history(0))[::-1], history), f"step {t}: history"
+
+
+@CASES
+@given(stream=streams, pow2=st.booleans(), inf_scale=st.sampled_from(["bf16_max", "fp16_max", "flt_max"]))
+def test_te_block_slots_match_compute_scale_from_types(stream, pow2, inf_scale):
+    """One slot per block: TE's compute_scale_from_types (recipe_common.cuh, transcribed) with the
+    input dtype's largest value for an overflowing scale."""
+    from ampscale.fp8._config import INF_SCALE_VALUES
+
+    mine = ours("te_block", stream, "forward", pow2="mask" if pow2 else "none", inf_scale=inf_scale)
+    for t, (a, (s, s_inv, _h)) in enumerate(zip(stream, mine, strict=True)):
+        expected = anchors.te_current_scale(a, 448.0, pow2, 0.0, INF_SCALE_VALUES[inf_scale])
+        assert same(s, expected), f"step {t}: amax {a!r}: scale {s!r} != {expected!r}"
+        assert same(s_inv, np.float32(1.0) / np.float32(expected))

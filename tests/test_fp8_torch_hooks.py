@@ -78,7 +78,7 @@ def test_hooks_cast_and_merge_amaxes_as_computed_by_hand() -> None:
     state = hooks.fp8_scaler.state
     assert state.scale.tolist() == [64.0, 128.0, 16384.0]
     assert state.filled.tolist() == [2, 2, 2]  # one history entry per optimizer step
-    assert state.history[:, -2:].tolist() == [[7.0, 7.0], [3.5, 3.5], [3.5, 3.5]]
+    assert hooks.fp8_scaler.history()[:, -2:].tolist() == [[7.0, 7.0], [3.5, 3.5], [3.5, 3.5]]
     # the Parameter itself is back in the module after every forward
     assert isinstance(net[0]._parameters["weight"], torch.nn.Parameter)
     assert list(net.state_dict()) == ["0.weight"]
@@ -112,7 +112,7 @@ def test_hooks_with_the_loss_scaler_skip_an_overflowing_step() -> None:
         history.append((bool(result.finite), hooks.fp8_scaler.state.filled.tolist(), scaler.get_scale()))
     assert history == [(True, [1, 1, 1], 16.0), (False, [1, 1, 1], 8.0), (True, [2, 2, 2], 8.0)]
     # the output gradients carry the loss scale: recorded as seen (16 * 2.1, then 8 * 2.1)
-    assert hooks.fp8_scaler.state.history[2, -2:].tolist() == [np.float32(2.1) * 16, np.float32(2.1) * 8]
+    assert hooks.fp8_scaler.history(2)[-2:].tolist() == [np.float32(2.1) * 16, np.float32(2.1) * 8]
 
 
 def test_bad_slots_and_scalers_are_refused_before_anything_is_hooked() -> None:

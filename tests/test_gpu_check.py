@@ -233,7 +233,10 @@ def test_a_missing_extension_skips_only_the_stages_that_need_it(
     (tests,) = machine.ran("pytest")  # CuPy's GPU tests still run, torch's (which need it) do not
     assert tests[tests.index("-k") + 1] == "not torch"
     (bench,) = machine.ran("benchmarks/run.py")
-    assert bench[bench.index("--backends") + 1] == "cupy"
+    # CuPy's rows, and the FP8 pass's (whose rows count their launches: a torch row without the
+    # launcher shows the fallback's)
+    assert bench[bench.index("--backends") + 1] == "cupy,fp8"
+    assert bench[bench.index("--workloads") + 1] == "W0,W1,W1h,W2,N,FP8-W1"
     for name in ("jax-tests", "jax-bench"):
         assert stages[name]["status"] == "skipped"
         assert "ampscale._native.cuda._driver" in stages[name]["reason"]

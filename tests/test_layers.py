@@ -42,12 +42,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale._ops",
             "ampscale._state_dict",
+            "ampscale.fp8._exact",
             "ampscale.fp8._ops",
             "ampscale.fp8._cast",
+            "ampscale.fp8._block",
             "ampscale.fp8._amax",
             "ampscale.fp8._codegen",
             "ampscale.fp8._update",
             "ampscale.fp8._state_dict",
+            "ampscale.fp8._pass",
         ),
     ),
     ("native code", ("ampscale._native", "ampscale._native.*")),
@@ -68,6 +71,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("backend registry", ("ampscale.backends",)),
+    (
+        "FP8 fused pass",
+        ("ampscale.fp8._fused", "ampscale.fp8._fused_torch", "ampscale.fp8._fused_jax", "ampscale.fp8._fused_cuda"),
+    ),
     (
         "scaler",
         (

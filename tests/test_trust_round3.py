@@ -187,13 +187,18 @@ def test_a_huge_integer_anywhere_in_a_checkpoint_is_a_state_dict_error(case: str
 
 def _train_step(scaler: object, model: object = None, poison: bool = False, optimizer: object = None) -> object:
     """One scaled step of a small model (made once per scaler); returns what step() returned."""
+    # keyed by id(), each entry holding its scaler alive: a dead scaler's id, reused by a new
+    # one, would hand that one another test's trained model
+    owner, kept_model, kept_optimizer = _MODELS.get(id(scaler), (None, None, None))
+    if owner is not scaler:
+        torch.manual_seed(0)  # every scaler's model starts the same: twins see the same losses
+        kept_model = torch.nn.Linear(3, 1)
+        kept_optimizer = torch.optim.SGD(kept_model.parameters(), lr=0.01)
+        _MODELS[id(scaler)] = (scaler, kept_model, kept_optimizer)
     if model is None:
-        model = _MODELS.get(id(scaler))
-        if model is None:
-            torch.manual_seed(0)  # every scaler's model starts the same: twins see the same losses
-            model = _MODELS[id(scaler)] = torch.nn.Linear(3, 1)
+        model = kept_model
     if optimizer is None:
-        optimizer = _OPTIMIZERS.setdefault(id(scaler), torch.optim.SGD(model.parameters(), lr=0.01))
+        optimizer = kept_optimizer if model is kept_model else torch.optim.SGD(model.parameters(), lr=0.01)
     optimizer.zero_grad()
     loss = model(torch.ones(2, 3)).pow(2).mean()
     scaler.scale(loss).backward()
@@ -204,8 +209,7 @@ def _train_step(scaler: object, model: object = None, poison: bool = False, opti
     return result
 
 
-_MODELS: dict[int, object] = {}
-_OPTIMIZERS: dict[int, object] = {}
+_MODELS: dict[int, tuple[object, object, object]] = {}
 
 
 def _snapshot(scaler: amp_torch.GradScaler) -> tuple:

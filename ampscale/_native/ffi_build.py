@@ -51,9 +51,19 @@ else:  # loaded by path from setup.py, outside the package (which may not import
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The files the handlers are compiled from, relative to this directory (the CPU kernels are
 #: shared with the NumPy extension; the CUDA handler takes its launch layout from the kernel source).
-SOURCES = ("cpu/jax_ffi.cc", "cuda/jax_ffi_cuda.cc", "cpu/jax_ffi_leaves.h", "cpu/kernels.h", "cuda/jax_kernels.cu")
-#: The translation units of the library.
-UNITS = ("cpu/jax_ffi.cc", "cuda/jax_ffi_cuda.cc")
+SOURCES = (
+    "cpu/jax_ffi.cc",
+    "cpu/jax_ffi_fp8.cc",
+    "cuda/jax_ffi_cuda.cc",
+    "cuda/jax_ffi_fp8_cuda.cc",
+    "cpu/jax_ffi_leaves.h",
+    "cpu/kernels.h",
+    "cpu/fp8_kernels.h",
+    "cuda/jax_kernels.cu",
+    "cuda/fp8_kernels.cu",
+)
+#: The translation units of the library (the loss scaler's handlers, the FP8 pass's handlers).
+UNITS = ("cpu/jax_ffi.cc", "cpu/jax_ffi_fp8.cc", "cuda/jax_ffi_cuda.cc", "cuda/jax_ffi_fp8_cuda.cc")
 #: The library built at install time, beside the sources.
 PREBUILT = os.path.join(HERE, "libampscale_jax_ffi.so")
 #: GCC/Clang flags; the kernels' float semantics match the NumPy extension's build.

@@ -19,10 +19,20 @@ Megatron-Core) a named setting; casts saturate in each framework's own operation
 from __future__ import annotations
 
 from ampscale.fp8._amax import combine_amax
-from ampscale.fp8._cast import dequantize, fp8_dtype, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._block import dequantize_block, dequantize_mx, quantize_block, quantize_mx
+from ampscale.fp8._cast import (
+    dequantize,
+    e8m0_decode,
+    e8m0_encode,
+    fp8_dtype,
+    quantize,
+    quantize_dequantize,
+    tensor_amax,
+)
 from ampscale.fp8._combined import Fp8Step, unscale_and_update
 from ampscale.fp8._config import FORMATS, FP8_PRESETS, Fp8Config, Fp8Preset, make_fp8_config
 from ampscale.fp8._distributed import reduce_amax
+from ampscale.fp8._fused import amax, amax_and_cast
 from ampscale.fp8._scaler import Fp8Scaler, create_fp8_scaler, init_state, update_state
 from ampscale.fp8._state_dict import FP8_FORMAT_VERSION
 from ampscale.fp8._transition import Fp8State
@@ -36,14 +46,22 @@ __all__ = [
     "Fp8Scaler",
     "Fp8State",
     "Fp8Step",
+    "amax",
+    "amax_and_cast",
     "combine_amax",
     "create_fp8_scaler",
     "dequantize",
+    "dequantize_block",
+    "dequantize_mx",
+    "e8m0_decode",
+    "e8m0_encode",
     "fp8_dtype",
     "init_state",
     "make_fp8_config",
     "quantize",
+    "quantize_block",
     "quantize_dequantize",
+    "quantize_mx",
     "reduce_amax",
     "tensor_amax",
     "unscale_and_update",

@@ -1,12 +1,12 @@
-"""Amaxes of many tensors, and their combination across micro-batches.
+"""The combination of amaxes across micro-batches (and ranks, and uses of a tensor).
 
 :func:`combine_amax` merges two amaxes (arrays of any framework, numbers, or trees of them) by
 a max that keeps nan: under gradient accumulation each micro-batch's amaxes are merged into a
 running value and the FP8 history is written once per optimizer step, so no micro-batch's
 amax is lost and none "wins" by being the last (marin-community/marin#7659).
 
-:func:`_amaxes` is the one place where the amaxes of a list of tensors are computed (one
-``max(|x|)`` per tensor today); a fused multi-tensor pass replaces it there and nowhere else.
+The amaxes of many tensors are taken in one pass by :func:`ampscale.fp8.amax`
+(:mod:`ampscale.fp8._fused`).
 """
 
 from __future__ import annotations
@@ -14,61 +14,14 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ampscale.fp8._cast import tensor_amax
 from ampscale.fp8._ops import framework_of
 
 __all__ = ["combine_amax"]
-
-
-def _leaf_amax(x: Any) -> Any:
-    """``max(|x|)`` as a 0-d float32 array, nan if ``x`` holds a nan (any framework)."""
-    if framework_of(x) != "array_api":
-        return tensor_amax(x)
-    xp = x.__array_namespace__()
-    if x.size == 0:
-        return xp.zeros((), dtype=xp.float32)
-    # the standard leaves max() of a nan unspecified: the nan is found on its own
-    top = xp.astype(xp.max(xp.abs(x)), xp.float32)
-    return xp.where(xp.any(xp.isnan(x)), xp.asarray(math.nan, dtype=xp.float32), top)
-
-
-def _stack(parts: list[Any], framework: str) -> Any:
-    if framework == "torch":
-        import torch
-
-        return torch.stack(parts)
-    if framework == "jax":
-        import jax.numpy as jnp
-
-        return jnp.stack(parts)
-    if framework == "array_api":
-        return parts[0].__array_namespace__().stack(parts)
-    xp = np if framework == "numpy" else sys.modules["cupy"]
-    return xp.stack(parts)
-
-
-def _amaxes(leaves: Sequence[Any]) -> Any:
-    """The ``[N]`` float32 amaxes of ``leaves``, in order, in their framework: nan where a
-    leaf holds a nan, else inf where it holds an inf; 0 for an empty leaf. No host read.
-
-    Raises:
-        ValueError: no leaves.
-        TypeError: leaves of two frameworks.
-    """
-    if not leaves:
-        raise ValueError("amaxes need at least one tensor; got none")
-    framework = framework_of(leaves[0])
-    for index, leaf in enumerate(leaves):
-        if framework_of(leaf) != framework:
-            raise TypeError(
-                f"every tensor must be a {framework} array like the first; tensor {index} is a {type(leaf).__name__}"
-            )
-    return _stack([_leaf_amax(leaf) for leaf in leaves], framework)
 
 
 def _is_leaf(value: Any) -> bool:

@@ -8,9 +8,15 @@ history's ``push`` and ``window_max``, the power-of-two rules) to its operations
 * :func:`python_slot_transition`: one straight-line Python function over one slot, on Python
   floats rounded to float32 after every operation (a float32 quotient or product computed in
   double and rounded once is the correctly rounded float32 result: 53 >= 2*24 + 2), with the
-  history a tuple, oldest first.
-* :func:`c_transition`: C functions over one slot and over ``N`` slots (``[N, L]`` history,
-  row-major), for the host compiler and for CUDA kernels alike (no header; NVRTC needs none).
+  history a tuple holding the ring buffer (its oldest value at ``head``).
+* :func:`c_transition`: C functions over one slot and over ``N`` slots (``[N, L]`` ring-buffer
+  history, row-major), for the host compiler and for CUDA kernels alike (no header; NVRTC needs
+  none). Given the same buffer as input and output history, a slot writes one float (two on
+  torchao's first update), never a shifted copy.
+* :func:`c_state_update`: one slot's update read from and written to the arrays of an
+  :class:`~ampscale.fp8.Fp8State` (every field, the step count included), the body both CUDA
+  kernels run per thread: the one-launch update (:mod:`ampscale.fp8._cuda`) and the fused
+  pass's last block (``ampscale_fp8_pass_step`` in ``ampscale/_native/cuda/fp8_kernels.cu``).
   Compile it without contraction to FMA and without flush-to-zero (``-ffp-contract=off``;
   ``--fmad=false --ftz=false`` for NVRTC): the transition's subnormal amaxes and scales must
   keep their bits unless the preset flushes them on purpose (``subnormals="flush"``).
@@ -37,15 +43,28 @@ from ampscale._codegen import (
     _TraceOps,
 )
 from ampscale._config import FLOAT32_TINY, _round_to
-from ampscale.fp8._ops import floor_log2_thresholds
-from ampscale.fp8._transition import Fp8Slot, slot_transition
+from ampscale.fp8._ops import floor_log2_thresholds, subnormal_floor_log2_thresholds
+from ampscale.fp8._transition import SLOT_INT_FIELDS, Fp8Slot, Fp8State, slot_transition
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ampscale.fp8._config import Fp8Config
 
-__all__ = ["C_PRELUDE", "FP8_C_PRELUDE", "c_transition", "python_slot_transition"]
+__all__ = [
+    "C_PRELUDE",
+    "FLAG_BOOL",
+    "FLAG_FALSE",
+    "FLAG_TRUE",
+    "FP8_C_PRELUDE",
+    "c_state_update",
+    "c_transition",
+    "python_slot_transition",
+]
+
+#: how a step's flag is passed to a kernel (the codes of the loss scaler's kernels): true / a
+#: bool in memory / false
+FLAG_TRUE, FLAG_BOOL, FLAG_FALSE = 0, 1, 3
 
 _COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _INPUTS = ("amax", "fp8_max", "step_ok")
@@ -72,11 +91,32 @@ class Fp8TraceOps(_TraceOps):
     def isnan(self, x: _Node) -> _Node:
         return _Node("isnan", "bool", x)
 
+    def is_zero(self, x: _Node) -> _Node:
+        return x == self.f32(0.0)
+
+    def positive(self, x: _Node) -> _Node:
+        return x > self.f32(0.0)
+
+    def less(self, a: _Node, b: _Node) -> _Node:
+        return a < b
+
     def div(self, a: _Node, b: _Node) -> _Node:
         return _Node("div", "f32", a, b)
 
     def mul(self, a: _Node, b: _Node) -> _Node:
         return _Node("mul", "f32", a, b)
+
+    def sub(self, a: _Node, b: _Node) -> _Node:
+        return _Node("sub", "f32", a, b)
+
+    def floor_log2(self, x: _Node) -> _Node:
+        return _Node("floor_log2", "f32", x)
+
+    def exp2_abs(self, x: _Node) -> _Node:
+        return _Node("exp2_abs", "f32", x)
+
+    def ring_next(self, head: _Node, length: int) -> _Node:
+        return _Node("ring_next", "int", head, value=int(length), repeats=True)
 
     def flush(self, x: _Node) -> _Node:
         return _Node("flush", "f32", x, repeats=True)
@@ -90,17 +130,21 @@ class Fp8TraceOps(_TraceOps):
     def pow2_floor_log2(self, x: _Node) -> _Node:
         return _Node("pow2_floor_log2", "f32", x)
 
-    def push(self, history: _Node, value: _Node, write: _Node) -> _Node:
-        return _Node("push", "hist", history, value, write)
+    def push(self, history: _Node, head: _Node, value: _Node, write: Any, twice: Any = False) -> _Node:
+        return _Node("push", "hist", history, head, value, _lift_flag(write), _lift_flag(twice))
 
     def window_max(self, history: _Node, nan_rule: str) -> _Node:
         return _Node("window_max", "f32", history, value=nan_rule)
 
 
+def _lift_flag(flag: Any) -> _Node:
+    return flag if isinstance(flag, _Node) else _literal(bool(flag))
+
+
 def _trace(config: Fp8Config) -> tuple[list[_Node], list[_Node]]:
     """The slot transition as nodes: the inputs (slot fields, then amax, fp8_max, step_ok) and
     the outputs (the next slot's fields, then ``updated``)."""
-    kinds = {"scale": "f32", "scale_inv": "f32", "history": "hist", "filled": "int", "zero_amax": "int"}
+    kinds = {"scale": "f32", "scale_inv": "f32", "history": "hist"}
     slot = Fp8Slot(*(_Node("input", kinds.get(f, "int")) for f in Fp8Slot._fields))
     for node, name in zip(slot, Fp8Slot._fields, strict=True):
         node.name = name
@@ -138,6 +182,39 @@ def _pow2_mask(x: float) -> float:
     return _from_bits(_bits(x) & 0xFF800000)
 
 
+def _floor_log2(x: float) -> float:
+    """``floor(log2(x))`` with a float32 ``log2`` (see :meth:`Fp8ArrayOps.floor_log2`)."""
+    if x != x or x < 0.0:
+        return math.nan
+    if x == 0.0:
+        return -math.inf
+    if math.isinf(x):
+        return math.inf
+    bits = _bits(x)
+    biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if biased == 0:
+        lead = mantissa.bit_length() - 1
+        return float(lead - 149 + (mantissa >= subnormal_floor_log2_thresholds()[lead]))
+    return float(biased - 127 + (mantissa >= floor_log2_thresholds()[biased]))
+
+
+def _exp2_abs(e: float) -> float:
+    if e != e:
+        return math.nan
+    magnitude = abs(e)
+    return 2.0 ** int(magnitude) if magnitude < 128.0 else math.inf
+
+
+def _push(history: tuple[float, ...], head: int, value: float, write: bool, twice: bool) -> tuple[float, ...]:
+    if not write:
+        return history
+    ring = list(history)
+    ring[head] = value
+    if twice:
+        ring[(head - 1) % len(ring)] = value
+    return tuple(ring)
+
+
 def _pow2_floor_log2(x: float) -> float:
     bits = _bits(x)
     biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
@@ -155,7 +232,7 @@ def _div_wide(numerator: float, denominator: float, eps: float) -> float:
 
 
 def _window_max(history: tuple[float, ...], propagate: bool) -> float:
-    top = 0.0
+    top = 0.0  # from 0, as TE's fmaxf: negatives and -0 count as 0
     for value in history:
         if value != value:
             if propagate:
@@ -175,6 +252,9 @@ _PY_HELPERS: dict[str, Any] = {
     "_div_wide": _div_wide,
     "_pow2_mask": _pow2_mask,
     "_pow2_floor_log2": _pow2_floor_log2,
+    "_floor_log2": _floor_log2,
+    "_exp2_abs": _exp2_abs,
+    "_push": _push,
     "_window_max": _window_max,
     "_flush": _flush,
     "_isfinite": math.isfinite,
@@ -184,11 +264,12 @@ _PY_HELPERS: dict[str, Any] = {
 
 
 def python_slot_transition(config: Fp8Config) -> Callable[..., tuple[tuple[Any, ...], bool]]:
-    """Return ``f(scale, scale_inv, history, filled, zero_amax, nonfinite, amax, fp8_max,
+    """Return ``f(scale, scale_inv, history, filled, zero_amax, nonfinite, head, amax, fp8_max,
     step_ok) -> (next_slot_fields, updated)`` for one slot.
 
-    ``history`` is a tuple of Python floats (float32 values), oldest first; the function is
-    :func:`slot_transition` on exact float32 arithmetic. Its source is kept as ``f.source``.
+    ``history`` is a tuple of Python floats (float32 values) holding the ring buffer, its oldest
+    value at ``head``; the function is :func:`slot_transition` on exact float32 arithmetic. Its
+    source is kept as ``f.source``.
     """
     floats: dict[float, str] = {}
 
@@ -214,10 +295,14 @@ def python_slot_transition(config: Fp8Config) -> Callable[..., tuple[tuple[Any, 
             "isnan": "_isnan({0})",
             "div": "_div({0}, {1})",
             "mul": "_f32({0} * {1})",
+            "sub": "_f32({0} - {1})",
             "flush": "_flush({0})",
             "pow2_mask": "_pow2_mask({0})",
             "pow2_floor_log2": "_pow2_floor_log2({0})",
-            "push": "(({0}[1:] + ({1},)) if {2} else {0})",
+            "floor_log2": "_floor_log2({0})",
+            "exp2_abs": "_exp2_abs({0})",
+            "push": "_push({0}, {1}, {2}, {3}, {4})",
+            "ring_next": f"(0 if {{0}} + 1 == {node.value} else {{0}} + 1)",
             "window_max": "_window_max({0}, " + str(node.value == "propagate") + ")",
         }
         if op == "div_wide":
@@ -288,23 +373,41 @@ AMPSCALE_FN float ampscale_fp8_window_max(const float* h, int length, int propag
     return top;
 }
 
-/* the window of h after push(h, a, write), without writing it */
-AMPSCALE_FN float ampscale_fp8_window_max_pushed(const float* h, int length, float a, int write, int propagate) {
-    if (!write) return ampscale_fp8_window_max(h, length, propagate);
-    const float top = ampscale_fp8_window_max(h + 1, length - 1, propagate);
-    if (top != top) return top;
-    if (a != a) return propagate ? a : top;
-    return a > top ? a : top;
+/* the window of the ring h after push(h, head, a, write, twice), without writing it */
+AMPSCALE_FN float ampscale_fp8_window_max_ring(const float* h, int length, int head, float a, int write, int twice,
+                                               int propagate) {
+    const int previous = head == 0 ? length - 1 : head - 1;
+    float top = 0.0f;
+    for (int i = 0; i < length; i++) {
+        const float v = (write && i == head) || (twice && i == previous) ? a : h[i];
+        if (v != v) {
+            if (propagate) return v;
+            continue;
+        }
+        top = v > top ? v : top;
+    }
+    return top;
 }
 
-/* out = h[1:] + [a] if write else h; out may be h */
-AMPSCALE_FN void ampscale_fp8_push(const float* h, float* out, int length, float a, int write) {
-    if (write) {
-        for (int i = 0; i + 1 < length; i++) out[i] = h[i + 1];
-        out[length - 1] = a;
-    } else if (out != h) {
+/* out = h with a written at head (and at head - 1 when twice) if write; out may be h, and then
+   this is one store (two on torchao's first update): the ring is never shifted */
+AMPSCALE_FN void ampscale_fp8_ring_push(const float* h, float* out, int length, int head, float a, int write,
+                                        int twice) {
+    if (out != h) {
         for (int i = 0; i < length; i++) out[i] = h[i];
     }
+    if (write) {
+        out[head] = a;
+        if (twice) out[head == 0 ? length - 1 : head - 1] = a;
+    }
+}
+
+/* round(pow(2, |e|)) for an integral float e (MS-AMP): inf past 2**127, nan kept */
+AMPSCALE_FN float ampscale_fp8_exp2_abs(float e) {
+    if (e != e) return e;
+    const float m = e < 0.0f ? -e : e;
+    if (!(m < 128.0f)) return ampscale_f32_from_bits(0x7f800000u);
+    return ampscale_f32_from_bits((unsigned int)((int)m + 127) << 23);
 }
 #endif
 """
@@ -324,15 +427,41 @@ def _floor_log2_c(prefix: str) -> str:
     )
 
 
+def _exponent_c(prefix: str) -> str:
+    """``floor(log2(x))`` with a float32 ``log2``, as :func:`_floor_log2` (MS-AMP's rule)."""
+    table = ", ".join(f"{t}u" for t in floor_log2_thresholds())
+    small = ", ".join(f"{t}u" for t in subnormal_floor_log2_thresholds())
+    return (
+        f"AMPSCALE_FN float {prefix}floor_log2(float x) {{\n"
+        f"    const unsigned int thresholds[256] = {{{table}}};\n"
+        f"    const unsigned int small[23] = {{{small}}};\n"
+        "    const unsigned int bits = ampscale_fp8_bits(x);\n"
+        "    const unsigned int magnitude = bits & 0x7fffffffu;\n"
+        "    const unsigned int biased = magnitude >> 23, mantissa = bits & 0x7fffffu;\n"
+        "    const int negative = (bits >> 31) != 0u && magnitude != 0u;\n"
+        "    if (magnitude > 0x7f800000u || negative) return ampscale_f32_from_bits(0x7fc00000u);\n"
+        "    if (magnitude == 0u) return ampscale_f32_from_bits(0xff800000u);\n"
+        "    if (magnitude == 0x7f800000u) return x;\n"
+        "    if (biased == 0u) {\n"
+        "        int lead = 0;\n"
+        "        while ((mantissa >> (lead + 1)) != 0u) lead++;\n"
+        "        return (float)(lead - 149 + (mantissa >= small[lead] ? 1 : 0));\n"
+        "    }\n"
+        "    return (float)((int)biased - 127 + (mantissa >= thresholds[biased] ? 1 : 0));\n"
+        "}\n"
+    )
+
+
 def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
     """The C source of one configuration's FP8 transition.
 
-    Defines ``struct {prefix}Slot {float scale, scale_inv; int filled, zero_amax, nonfinite;}``,
-    ``int {prefix}slot(const struct {prefix}Slot* in, struct {prefix}Slot* out, const float*
-    hist_in, float* hist_out, float amax, float fp8_max, int step_ok)`` (returns ``updated``;
-    ``out`` may be ``in`` and ``hist_out`` may be ``hist_in``), and ``void {prefix}transition(
-    ..., const float* amax, const float* fp8_max, int step_ok, int* updated, int n)`` over
-    ``n`` slots with a row-major ``[n, history_len]`` history. Needs :data:`C_PRELUDE` and
+    Defines ``struct {prefix}Slot {float scale, scale_inv; int filled, zero_amax, nonfinite,
+    head;}``, ``int {prefix}slot(const struct {prefix}Slot* in, struct {prefix}Slot* out, const
+    float* hist_in, float* hist_out, float amax, float fp8_max, int step_ok)`` (returns
+    ``updated``; ``out`` may be ``in`` and ``hist_out`` may be ``hist_in``, which makes the
+    history update one store), and ``void {prefix}transition(..., const float* amax, const
+    float* fp8_max, int step_ok, int* updated, int n)`` over ``n`` slots with a row-major
+    ``[n, history_len]`` ring-buffer history. Needs :data:`C_PRELUDE` and
     :data:`FP8_C_PRELUDE` before it.
     """
     p = prefix
@@ -359,8 +488,10 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
             propagate = int(node.value == "propagate")
             source = node.operands[0]
             if id(source) in pushed:
-                _h, value, write = pushed[id(source)]
-                return f"ampscale_fp8_window_max_pushed(hist_in, {length}, {value}, {write}, {propagate})"
+                _h, head, value, write, twice = pushed[id(source)]
+                return (
+                    f"ampscale_fp8_window_max_ring(hist_in, {length}, {head}, {value}, {write}, {twice}, {propagate})"
+                )
             return f"ampscale_fp8_window_max(hist_in, {length}, {propagate})"
         if op == "div_wide":
             eps = node.value
@@ -371,9 +502,13 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
             "isnan": "ampscale_fp8_isnan({0})",
             "div": "({0} / {1})",
             "mul": "({0} * {1})",
+            "sub": "({0} - {1})",
             "flush": "ampscale_fp8_flush({0})",
             "pow2_mask": "ampscale_fp8_pow2_mask({0})",
             "pow2_floor_log2": f"{p}pow2_floor_log2({{0}})",
+            "floor_log2": f"{p}floor_log2({{0}})",
+            "exp2_abs": "ampscale_fp8_exp2_abs({0})",
+            "ring_next": f"({{0}} + 1 == {node.value} ? 0 : {{0}} + 1)",
         }
         return {**C_TEMPLATES, **own}[op].format(*args)
 
@@ -388,11 +523,14 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
         "    int filled;",
         "    int zero_amax;",
         "    int nonfinite;",
+        "    int head;",
         "};",
         "",
     ]
     if config.pow2 == "floor_log2":
         lines.append(_floor_log2_c(p))
+    if config.scale_rule == "msamp":
+        lines.append(_exponent_c(p))
     signature = (
         f"const struct {p}Slot* in, struct {p}Slot* out, const float* hist_in, float* hist_out, "
         "float amax, float fp8_max, int step_ok"
@@ -400,10 +538,10 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
     scalar_fields = [f for f in Fp8Slot._fields if f != "history"]
     index = {f: i for i, f in enumerate(Fp8Slot._fields)}
     if id(history_out) in pushed:
-        _h, value, write = pushed[id(history_out)]
-        store_history = f"    ampscale_fp8_push(hist_in, hist_out, {length}, {value}, {write});"
+        _h, head, value, write, twice = pushed[id(history_out)]
+        store_history = f"    ampscale_fp8_ring_push(hist_in, hist_out, {length}, {head}, {value}, {write}, {twice});"
     else:
-        store_history = f"    ampscale_fp8_push(hist_in, hist_out, {length}, 0.0f, 0);"
+        store_history = f"    ampscale_fp8_ring_push(hist_in, hist_out, {length}, 0, 0.0f, 0, 0);"
     lines += [
         f"AMPSCALE_FN int {p}slot({signature}) {{",
         *(f"    const {c_type['f32' if f.startswith('scale') else 'int']} {f} = in->{f};" for f in scalar_fields),
@@ -431,3 +569,58 @@ def c_transition(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _state_c_type(field: str) -> str:
+    return "int" if field in SLOT_INT_FIELDS or field == "steps" else "float"
+
+
+def c_state_update(config: Fp8Config, prefix: str = "ampscale_fp8_") -> str:
+    """The C of one slot's update on the arrays of an :class:`~ampscale.fp8.Fp8State`.
+
+    Defines ``AMPSCALE_FP8_STATE_PARAMS`` (``const T* {field}`` for every field of the state,
+    then ``T* out_{field}`` for every field: 16 pointers) and ``AMPSCALE_FP8_STATE_ARGS`` (their
+    names), ``{prefix}read_flag(const void* flag, long long kind)`` (:data:`FLAG_TRUE`,
+    :data:`FLAG_BOOL`: a bool byte at ``flag``, :data:`FLAG_FALSE`), and ``void
+    {prefix}thread(long long k, AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float*
+    fp8_max, const void* step_ok, long long step_ok_kind, unsigned char* updated, long long
+    n)``: slot ``k``'s fields and history row (at ``k * history_len``) through
+    ``{prefix}slot`` into the output arrays, ``updated[k]`` (when not null), and on ``k == 0``
+    the saturating step count, so that one call per slot is the whole update. Every field the
+    transition updates is written, ``head`` and ``steps`` included; the outputs may be the
+    inputs (the transition writes its output after reading its input). Needs
+    :func:`c_transition` with the same ``prefix`` before it.
+    """
+    fields = Fp8State._fields
+    scalars = [f for f in Fp8Slot._fields if f != "history"]
+    params = ", ".join(
+        [*(f"const {_state_c_type(f)}* {f}" for f in fields), *(f"{_state_c_type(f)}* out_{f}" for f in fields)]
+    )
+    names = ", ".join([*fields, *(f"out_{f}" for f in fields)])
+    load = "\n".join(f"    in.{f} = {f}[k];" for f in scalars)
+    store = "\n".join(f"    out_{f}[k] = next.{f};" for f in scalars)
+    length = config.history_len
+    return f"""
+#define AMPSCALE_FP8_STATE_PARAMS {params}
+#define AMPSCALE_FP8_STATE_ARGS {names}
+
+/* the loss scaler's flag codes: {FLAG_TRUE} true, {FLAG_BOOL} a bool in memory, {FLAG_FALSE} false */
+AMPSCALE_FN int {prefix}read_flag(const void* flag, long long kind) {{
+    if (kind == {FLAG_BOOL}) return *(const unsigned char*)flag != 0;
+    return kind == {FLAG_TRUE};
+}}
+
+/* slot k's update, and the step count on k == 0 */
+AMPSCALE_FN void {prefix}thread(long long k, AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float* fp8_max,
+                                const void* step_ok, long long step_ok_kind, unsigned char* updated, long long n) {{
+    if (k == 0) *out_steps = ampscale_increment(*steps);
+    if (k >= n) return;
+    struct {prefix}Slot in, next;
+{load}
+    const long long row = k * {length}LL;
+    const int u = {prefix}slot(&in, &next, history + row, out_history + row, amax[k], fp8_max[k],
+                               {prefix}read_flag(step_ok, step_ok_kind));
+{store}
+    if (updated) updated[k] = (unsigned char)(u != 0);
+}}
+"""

@@ -16,21 +16,36 @@ scale_rule           how ``fp8_max / m`` is rounded: ``"divide"`` (TE's kernel:
                      ``f32(f32(fp8_max * 2**-margin) / m)``), ``"reciprocal"`` (TE's unfused
                      torch path, whose ``float / tensor`` is ``reciprocal(m) * fp8_max``),
                      ``"divide_then_margin"`` (TE-JAX, flax, Keras: ``(fp8_max / m) / 2**margin``),
-                     ``"float64"`` (torchao: in float64, ``m`` floored at ``eps``, then rounded).
+                     ``"float64"`` (torchao: in float64, ``m`` floored at ``eps``, then rounded),
+                     ``"msamp"`` (MS-AMP's power of two: ``e = floor(log2(reciprocal(m) *
+                     fp8_max)) - margin``, ``2**|e|``, inverted when ``e < 0``; its own
+                     fallbacks, so ``bad_amax="formula"``).
 eps                  ``"float64"``: the floor of ``m`` (torchao 1e-12); otherwise an amax below
                      ``eps`` counts as ``eps`` (TE current scaling's ``amax_epsilon``).
 bad_amax             ``m`` zero, inf or nan: ``"keep"`` the scale (TE delayed, flax, Keras),
                      set it to ``"one"`` (TE current scaling), or apply the ``"formula"``
                      anyway (torchao: inf gives 0, nan gives nan).
-inf_scale            a scale that overflows to inf becomes ``"flt_max"`` (TE) or stays inf
-                     (``"none"``: TE-JAX, flax, Keras).
+inf_scale            a scale that overflows to inf becomes ``"flt_max"`` (TE), the largest
+                     bfloat16 or float16 (``"bf16_max"``, ``"fp16_max"``: TE's block scaling
+                     uses the input dtype's largest value) or stays inf (``"none"``: TE-JAX,
+                     flax, Keras, MS-AMP).
 pow2                 ``"none"``, ``"mask"`` (TE: the scale's mantissa bits cleared) or
                      ``"floor_log2"`` (torchao: ``exp2(floor(log2(s)))`` with float32 ``log2``,
                      which rounds up just below a power of two).
 zero_amax            an amax of 0 is ``"write"``-n into the history, or ``"skip"``-ped: nothing
-                     rolls and the scale is kept (TE's fused update: "the module did not run").
-nonfinite_amax       an inf or nan amax is ``"write"``-n into the history (every anchor) or
-                     ``"skip"``-ped and only counted (ampscale's default).
+                     is written and the scale is kept (TE's fused update: "the module did not
+                     run").
+nonfinite_amax       an inf or nan amax is ``"write"``-n into the history (every anchor but
+                     MS-AMP), ``"skip"``-ped and only counted (ampscale's default), or written
+                     as ``"zero"`` with the warm-up restarted (MS-AMP's optimizer).
+amax_nan             a nan amax is kept (``"keep"``) or read as inf (``"inf"``: MS-AMP, which
+                     turns nan into inf before its all-reduce because NCCL's max drops nan).
+warmup               ``"none"``; ``"first_amax"`` (torchao's removed delayed scaling: until the
+                     first update a cast scales by the tensor's own amax, and the first update
+                     writes its amax twice, as torchao's initialisation and sync do);
+                     ``"window"`` (MS-AMP: a cast scales by the tensor's own amax until
+                     ``history_len`` amaxes were written since the last restart, and always
+                     with ``history_len=1``).
 history_nan          a nan in the window is ``"drop"``-ped (TE's fused ``fmaxf``) or
                      ``"propagate"``-s (``torch.max``, ``jnp.max``) and freezes the scale.
 storage              ``"scale"``: the scale is the state and ``scale_inv = 1/scale``;
@@ -46,13 +61,26 @@ subnormals           ``"keep"``; ``"flush"``: subnormal amaxes count as 0 and su
                      XLA's CPU (a single amax keeps its bits there, and its scale is inf).
 on_skipped_step      a step the loss scaler skips still ``"record"``-s its amaxes (TE) or
                      ``"freeze"``-s every slot (Keras: the whole apply is skipped).
+cast                 how a cast applies the scale: ``"multiply"`` (``q = sat(f32(x) * s)``,
+                     ``x ~ f32(q) * s_inv`` rounded to the output dtype: TE, Megatron, MS-AMP),
+                     ``"multiply_divide"`` (torchao: the same ``q``, ``x ~ q / s``),
+                     ``"multiply_divide_f32"`` (torchao rowwise, whose ``[rows, 1]`` scale
+                     promotes the dequantized tensor to float32), ``"divide"`` (flax:
+                     ``q = sat(x / S)`` in the compute dtype, ``x ~ q * S`` in ``x``'s dtype) or
+                     ``"divide_compute"`` (Keras: the same ``q``, ``x ~ q * S`` in the compute
+                     dtype).
 ==================== ==========================================================================
+
+The history is a ring buffer: each update writes one value per slot (TE's fused update, which
+writes nothing for an amax of 0, leaves its ring where it is); the canonical order, oldest
+first, appears only in checkpoints and in the accessors that return a history.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -60,7 +88,7 @@ from typing import Any, Final
 
 from ampscale._config import FLOAT32_MAX, _round_to, shown
 
-__all__ = ["FORMATS", "FP8_PRESETS", "ROLES", "Fp8Config", "Fp8Preset", "make_fp8_config"]
+__all__ = ["FORMATS", "FP8_PRESETS", "INF_SCALE_VALUES", "ROLES", "Fp8Config", "Fp8Preset", "make_fp8_config"]
 
 #: the largest finite value of each FP8 format (ml_dtypes ``finfo(...).max``)
 FORMATS: Final[dict[str, float]] = {
@@ -85,17 +113,26 @@ MAX_MARGIN: Final = 64
 _CHOICES: Final[dict[str, tuple[str, ...]]] = {
     "formats": tuple(FORMAT_PAIRS),
     "amax_algo": ("max", "most_recent", "current"),
-    "scale_rule": ("divide", "reciprocal", "divide_then_margin", "float64"),
+    "scale_rule": ("divide", "reciprocal", "divide_then_margin", "float64", "msamp"),
     "bad_amax": ("keep", "one", "formula"),
-    "inf_scale": ("flt_max", "none"),
+    "inf_scale": ("flt_max", "bf16_max", "fp16_max", "none"),
     "pow2": ("none", "mask", "floor_log2"),
     "zero_amax": ("write", "skip"),
-    "nonfinite_amax": ("write", "skip"),
+    "nonfinite_amax": ("write", "skip", "zero"),
+    "amax_nan": ("keep", "inf"),
+    "warmup": ("none", "first_amax", "window"),
     "history_nan": ("drop", "propagate"),
     "storage": ("scale", "inverse"),
     "timing": ("after_write", "before_write"),
     "subnormals": ("keep", "flush", "flush_window"),
     "on_skipped_step": ("record", "freeze"),
+    "cast": ("multiply", "multiply_divide", "multiply_divide_f32", "divide", "divide_compute"),
+}
+#: the largest finite value of the input dtypes a block-scaling scale saturates at
+INF_SCALE_VALUES: Final[dict[str, float]] = {
+    "flt_max": FLOAT32_MAX,
+    "bf16_max": float.fromhex("0x1.fep+127"),
+    "fp16_max": 65504.0,
 }
 #: every setting, in the order of the docs' table (the checkpoint's ``settings`` keys)
 SETTINGS_ORDER: Final = (
@@ -115,7 +152,15 @@ SETTINGS_ORDER: Final = (
     "timing",
     "subnormals",
     "on_skipped_step",
+    "amax_nan",
+    "warmup",
+    "cast",
 )
+#: the settings that checkpoints of format version 1 did not hold, and the value that reproduces
+#: what a version-1 ampscale did (a version-1 checkpoint is read as holding these values)
+#: (``None``: the loading scaler's own value; ``cast`` changes how casts apply a scale, never the
+#: state a checkpoint holds)
+SETTINGS_SINCE_V2: Final[dict[str, Any]] = {"amax_nan": "keep", "warmup": "none", "cast": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +198,9 @@ def _preset(name: str, system: str, source: str, **settings: Any) -> Fp8Preset:
         "timing": "after_write",
         "subnormals": "keep",
         "on_skipped_step": "record",
+        "amax_nan": "keep",
+        "warmup": "none",
+        "cast": "multiply",
     }
     unknown = set(settings) - set(base)
     assert not unknown, unknown
@@ -224,6 +272,7 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
             eps=1e-12,
             bad_amax="formula",
             inf_scale="none",
+            cast="multiply_divide",
         ),
         _preset(
             "torchao_rowwise",
@@ -237,6 +286,21 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
             bad_amax="formula",
             inf_scale="none",
             pow2="floor_log2",
+            cast="multiply_divide_f32",
+        ),
+        _preset(
+            "torchao_delayed",
+            "torchao float8 delayed scaling, removed in pytorch/ao#1753 (history 16, newest first)",
+            "pytorch/ao@d37019636^:torchao/float8/float8_linear_utils.py (sync_float8_amax_and_scale_history, "
+            "_update_history_stack), float8_scaling_utils.py (_maybe_initialize_amaxes_scales_for_float8_cast), "
+            "float8_utils.py (amax_history_to_scale_stack, amax_to_scale)",
+            history_len=16,
+            scale_rule="float64",
+            eps=1e-12,
+            bad_amax="formula",
+            inf_scale="none",
+            warmup="first_amax",
+            cast="multiply_divide",
         ),
         _preset(
             "flax",
@@ -246,6 +310,7 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
             inf_scale="none",
             storage="inverse",
             subnormals="flush",
+            cast="divide",
         ),
         _preset(
             "keras",
@@ -257,6 +322,34 @@ FP8_PRESETS: Final[dict[str, Fp8Preset]] = {
             storage="inverse",
             timing="before_write",
             subnormals="flush",
+            on_skipped_step="freeze",
+            cast="divide_compute",
+        ),
+        _preset(
+            "te_block",
+            "Transformer Engine Float8BlockScaling: one slot per 1x128 or 128x128 block, scaled by the "
+            "block's own amax (see ampscale.fp8.quantize_block)",
+            _TE + "transformer_engine/common/recipe/recipe_common.cuh (compute_scale_from_types), "
+            "transformer_engine/common/transpose/quantize_transpose_vector_blockwise.cu",
+            formats="e4m3fn",
+            history_len=1,
+            amax_algo="current",
+            bad_amax="one",
+            inf_scale="bf16_max",
+            pow2="mask",
+        ),
+        _preset(
+            "msamp",
+            "MS-AMP ScalingMeta: power-of-two scales from a window of 16, scaled in time during the warm-up",
+            "Azure/MS-AMP:msamp/common/tensor/meta.py (ScalingMeta.compute_scaling_factor, is_in_time_scaling), "
+            "msamp/optim/optimizer.py (_update_scaling_factors), msamp/common/tensor/cast.py (cast_to_fp8)",
+            history_len=16,
+            scale_rule="msamp",
+            bad_amax="formula",
+            inf_scale="none",
+            nonfinite_amax="zero",
+            amax_nan="inf",
+            warmup="window",
             on_skipped_step="freeze",
         ),
     ]
@@ -291,6 +384,9 @@ class Fp8Config:
     timing: str
     subnormals: str
     on_skipped_step: str
+    amax_nan: str
+    warmup: str
+    cast: str
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -300,13 +396,13 @@ class Fp8Config:
         """The number of slots."""
         return len(self.slots)
 
-    @property
+    @functools.cached_property
     def slot_formats(self) -> tuple[str, ...]:
         """The FP8 format of each slot."""
         forward, backward = FORMAT_PAIRS[self.formats]
         return tuple(forward if role == "forward" else backward for role in self.roles)
 
-    @property
+    @functools.cached_property
     def slot_max(self) -> tuple[float, ...]:
         """The largest finite value of each slot's format."""
         return tuple(FORMATS[f] for f in self.slot_formats)
@@ -367,6 +463,10 @@ def _validate(c: Fp8Config) -> None:
         raise _fail("bad_amax", c.bad_amax, "'keep' or 'formula' with storage='inverse'")
     if c.amax_algo == "current" and c.timing == "before_write":
         raise _fail("timing", c.timing, "'after_write' with amax_algo='current' (the scale of this step's amax)")
+    if c.scale_rule == "msamp" and c.bad_amax != "formula":
+        raise _fail("bad_amax", c.bad_amax, "'formula' with scale_rule='msamp' (MS-AMP's rule has its own fallbacks)")
+    if c.warmup != "none" and c.amax_algo == "current":
+        raise _fail("warmup", c.warmup, "'none' with amax_algo='current' (current scaling is always in time)")
 
 
 def normalise_slots(slots: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -3,10 +3,12 @@
 The eager path runs the transition as array operations, a few dozen small kernels per update
 on a GPU. Here the transition of one configuration, emitted as C by
 :func:`ampscale.fp8._codegen.c_transition`, is compiled into ``ampscale_fp8_update``: one
-thread per slot reads the slot's fields and history row, runs the slot transition, writes the
-next fields into new arrays (the scaler is functional), and thread 0 counts the step. One
-launch per update, no host read: the step's flag is read on the device (a bool array, or a
-Python bool passed by value).
+thread per slot reads the slot's fields (its ring's ``head`` included) and history row, runs
+the slot transition, writes the next fields into new arrays (the scaler is functional; the
+ring's row is copied and one amax written at its head), and thread 0 counts the step. With
+``donate`` the next fields are the old arrays themselves: one store per written amax, as the
+transition may write its output over its input. One launch per update, no host read: the
+step's flag is read on the device (a bool array, or a Python bool passed by value).
 
 Built like the loss scaler's kernels: by ampscale's own NVRTC call
 (:func:`ampscale._native.cuda.nvrtc.compiled`, cached on disk) with IEEE options
@@ -32,101 +34,63 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ampscale._codegen import C_PRELUDE
-from ampscale.fp8._codegen import FP8_C_PRELUDE, c_transition
-from ampscale.fp8._transition import SLOT_INT_FIELDS, Fp8Slot, Fp8State
+from ampscale.fp8._codegen import FLAG_BOOL, FLAG_FALSE, FLAG_TRUE, FP8_C_PRELUDE, c_state_update, c_transition
+from ampscale.fp8._transition import Fp8State
 
 if TYPE_CHECKING:
     from ampscale.fp8._config import Fp8Config
 
-__all__ = ["BLOCK", "KERNEL", "launch_arguments", "module_source"]
+__all__ = [
+    "BLOCK",
+    "FLAG_BOOL",
+    "FLAG_FALSE",
+    "FLAG_TRUE",
+    "KERNEL",
+    "launch_arguments",
+    "module_source",
+]
 
 #: the kernel's name, and its threads per block (one thread per slot)
 KERNEL = "ampscale_fp8_update"
 BLOCK = 128
-#: how a flag is passed (the codes of the loss scaler's kernels): true / a bool in memory / false
-FLAG_TRUE, FLAG_BOOL, FLAG_FALSE = 0, 1, 3
 _PREFIX = "ampscale_fp8_"
-_SLOT_FIELDS = tuple(f for f in Fp8Slot._fields if f != "history")
-
-
-def _c_type(field: str) -> str:
-    return "int" if field in SLOT_INT_FIELDS or field == "steps" else "float"
 
 
 @functools.lru_cache(maxsize=64)
 def module_source(config: Fp8Config) -> str:
-    """The CUDA module of ``config``: the preludes, the emitted transition, and the kernel.
+    """The CUDA module of ``config``: the preludes, the emitted transition, the per-slot update
+    on the state's arrays (:func:`~ampscale.fp8._codegen.c_state_update`), and the kernel.
 
     The kernel's parameters, all 8 bytes (pointers and ``long long``, so a launcher needs no
     signature): every field of :class:`~ampscale.fp8.Fp8State` in, every field out, ``amax``,
     ``fp8_max``, ``step_ok`` and its kind, ``updated`` (bytes, may be null) and ``n``.
     """
-    fields = Fp8State._fields
-    inputs = [f"const {_c_type(f)}* {f}" for f in fields]
-    outputs = [f"{_c_type(f)}* out_{f}" for f in fields]
-    params = ", ".join(
-        [
-            *inputs,
-            *outputs,
-            "const float* amax",
-            "const float* fp8_max",
-            "const void* step_ok",
-            "long long step_ok_kind",
-            "unsigned char* updated",
-            "long long n",
-        ]
+    params = (
+        "AMPSCALE_FP8_STATE_PARAMS, const float* amax, const float* fp8_max, const void* step_ok, "
+        "long long step_ok_kind, unsigned char* updated, long long n"
     )
-    names = ", ".join(
-        [*fields, *(f"out_{f}" for f in fields), "amax", "fp8_max", "step_ok", "step_ok_kind", "updated", "n"]
-    )
-    length = config.history_len
-    load = "\n".join(f"    in.{f} = {f}[k];" for f in _SLOT_FIELDS)
-    store = "\n".join(f"    out_{f}[k] = next.{f};" for f in _SLOT_FIELDS)
+    names = "AMPSCALE_FP8_STATE_ARGS, amax, fp8_max, step_ok, step_ok_kind, updated, n"
     body = rf"""
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define AMPSCALE_FP8_KERNEL extern "C" __global__
-#else
-#define AMPSCALE_FP8_KERNEL static inline
-#endif
-
-/* the loss scaler's flag codes: 0 true, 1 a bool in memory, 3 false */
-AMPSCALE_FN int ampscale_fp8_read_flag(const void* flag, long long kind) {{
-    if (kind == {FLAG_BOOL}) return *(const unsigned char*)flag != 0;
-    return kind == {FLAG_TRUE};
-}}
-
-/* thread k of the launch: slot k's transition, and the step count on thread 0 */
-AMPSCALE_FN void ampscale_fp8_thread(long long k, {params}) {{
-    if (k == 0) *out_steps = ampscale_increment(*steps);
-    if (k >= n) return;
-    struct {_PREFIX}Slot in, next;
-{load}
-    const long long row = k * {length}LL;
-    const int u = {_PREFIX}slot(&in, &next, history + row, out_history + row, amax[k], fp8_max[k],
-                                ampscale_fp8_read_flag(step_ok, step_ok_kind));
-{store}
-    if (updated) updated[k] = (unsigned char)(u != 0);
-}}
-
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 extern "C" __global__ void {KERNEL}({params}) {{
-    ampscale_fp8_thread((long long)blockIdx.x * blockDim.x + threadIdx.x, {names});
+    {_PREFIX}thread((long long)blockIdx.x * blockDim.x + threadIdx.x, {names});
 }}
 #endif
 
 #ifdef AMPSCALE_HOST_TEST
 /* host harness (tests only): every thread of a launch of `grid` blocks, in turn */
 extern "C" void {KERNEL}_host(long long grid, {params}) {{
-    for (long long k = 0; k < grid * {BLOCK}LL; k++) ampscale_fp8_thread(k, {names});
+    for (long long k = 0; k < grid * {BLOCK}LL; k++) {_PREFIX}thread(k, {names});
 }}
 #endif
 """
     return "\n".join(
         [
-            f"// ampscale FP8 update for preset {config.preset!r}, {config.size} slots, history {length}",
+            f"// ampscale FP8 update for preset {config.preset!r}, {config.size} slots, history {config.history_len}",
             C_PRELUDE,
             FP8_C_PRELUDE,
             c_transition(config, prefix=_PREFIX),
+            c_state_update(config, prefix=_PREFIX),
             body,
         ]
     )
@@ -135,6 +99,12 @@ extern "C" void {KERNEL}_host(long long grid, {params}) {{
 def grid_for(n: int) -> int:
     """Blocks of :data:`BLOCK` threads for ``n`` slots (one at least: thread 0 counts the step)."""
     return max(1, -(-n // BLOCK))
+
+
+def with_head(state: Fp8State, zeros: Any) -> Fp8State:
+    """``state`` with its ring's head: a state built in canonical order (``head=None``) starts
+    at position 0 of every row; ``zeros(n)`` makes the int32 zeros on the state's device."""
+    return state if state.head is not None else state._replace(head=zeros(state.scale.shape[0]))
 
 
 def launch_arguments(
@@ -193,8 +163,11 @@ def _cupy_fp8_max(config: Fp8Config, device_id: int) -> Any:
         return cupy.asarray(np.asarray(config.slot_max, np.float32))  # one copy, at the first update
 
 
-def update_cupy(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> tuple[Fp8State, Any] | None:
-    """The update of a CuPy state in one launch; ``None`` where the kernel is not available."""
+def update_cupy(
+    config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any, donate: bool = False
+) -> tuple[Fp8State, Any] | None:
+    """The update of a CuPy state in one launch; ``None`` where the kernel is not available.
+    ``donate``: write the next state over ``state``'s arrays."""
     cupy = sys.modules["cupy"]
     device_id = state.scale.data.device_id
     function = _cupy_function(config, device_id)
@@ -210,7 +183,8 @@ def update_cupy(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> 
             amax = cupy.asarray(amax)  # a copy between devices, queued
         if not amax.flags.c_contiguous:
             amax = cupy.ascontiguousarray(amax)
-        nxt = Fp8State(*(cupy.empty_like(field) for field in state))
+        state = with_head(state, lambda n: cupy.zeros(n, dtype=cupy.int32))
+        nxt = state if donate else Fp8State(*(cupy.empty_like(field) for field in state))
         updated = cupy.empty(config.size, dtype=cupy.bool_)
         flag_pointer, flag_kind, keep = _cupy_flag(cupy, step_ok, device_id)
         args = [
@@ -300,9 +274,12 @@ def _torch_fp8_max(config: Fp8Config, device: Any) -> Any:
     return torch.tensor(config.slot_max, dtype=torch.float32).to(device)  # once, at the first update
 
 
-def update_torch(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) -> tuple[Fp8State, Any] | None:
+def update_torch(
+    config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any, donate: bool = False
+) -> tuple[Fp8State, Any] | None:
     """The update of a torch CUDA state in one launch on torch's current stream; ``None``
-    where the kernel is not available."""
+    where the kernel is not available. ``donate``: write the next state over ``state``'s
+    tensors."""
     import torch
 
     from ampscale.backends import torch as torch_backend
@@ -313,7 +290,8 @@ def update_torch(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any) ->
         return None
     torch_backend._refuse_capture("the FP8 update")
     amax = amax.to(device=device, dtype=torch.float32).contiguous()
-    nxt = Fp8State(*(torch.empty_like(field) for field in state))
+    state = with_head(state, lambda n: torch.zeros(n, dtype=torch.int32, device=device))
+    nxt = state if donate else Fp8State(*(torch.empty_like(field) for field in state))
     updated = torch.empty(config.size, dtype=torch.bool, device=device)
     keep = None
     if isinstance(step_ok, (bool, np.bool_)):

@@ -15,12 +15,12 @@ import numpy as np
 
 from ampscale._config import shown
 from ampscale.fp8 import _cuda
-from ampscale.fp8._cast import dequantize, quantize, quantize_dequantize, tensor_amax
+from ampscale.fp8._cast import dequantize_as, quantize_as, tensor_amax
 from ampscale.fp8._config import Fp8Config, make_fp8_config
 from ampscale.fp8._distributed import UNSET, check_group, reduce_amax, resolve_group
-from ampscale.fp8._ops import Fp8ArrayOps, framework_of, namespace_of
-from ampscale.fp8._transition import Fp8State, initial_state_values
-from ampscale.fp8._update import device_of, ops_of
+from ampscale.fp8._ops import Fp8ArrayOps, framework_of, make_ops, namespace_of
+from ampscale.fp8._transition import Fp8State, in_warmup, initial_state_values, warmup_scale
+from ampscale.fp8._update import canonical_history, check_step_ok, device_of, ops_of
 from ampscale.fp8._update import update_state as array_update_state
 
 __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_state"]
@@ -28,20 +28,28 @@ __all__ = ["BACKENDS", "Fp8Scaler", "create_fp8_scaler", "init_state", "update_s
 BACKENDS = ("numpy", "jax", "torch", "cupy")
 
 
-def update_state(config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True) -> tuple[Fp8State, Any]:
+def update_state(
+    config: Fp8Config, state: Fp8State, amax: Any, step_ok: Any = True, donate: bool = False
+) -> tuple[Fp8State, Any]:
     """The pure update: ``(next_state, updated)`` for ``[N]`` float32 ``amax`` of the state's framework.
 
     ``updated`` is an ``[N]`` bool array: the slots whose scale was recomputed this step. On
     CuPy and on torch's CUDA tensors: one launch of the emitted C transition
     (:mod:`ampscale.fp8._cuda`); elsewhere, and where that kernel cannot be built, the
-    transition's array operations. No host read either way.
+    transition's array operations. No host read either way. ``donate=True`` gives ``state`` up:
+    its history buffer (on CUDA, every field) is written in place instead of copied.
+
+    Raises:
+        TypeError, ValueError: ``step_ok`` is not a bool or a 0-d bool array; nothing changes.
     """
     framework = framework_of(state.scale)
     if framework == "cupy" or (framework == "torch" and _cuda.is_torch_cuda(state.scale)):
-        fast = (_cuda.update_cupy if framework == "cupy" else _cuda.update_torch)(config, state, amax, step_ok)
+        check_step_ok(step_ok, framework)
+        update = _cuda.update_cupy if framework == "cupy" else _cuda.update_torch
+        fast = update(config, state, amax, step_ok, donate=donate)
         if fast is not None:
             return fast
-    return array_update_state(config, state, amax, step_ok)
+    return array_update_state(config, state, amax, step_ok, donate=donate)
 
 
 def _namespace_backend(backend: Any) -> Any:
@@ -74,7 +82,7 @@ def init_state(config: Fp8Config, backend: Any = "numpy", device: Any = None) ->
         backend = "array_api"
     if backend == "jax":
         ensure_jax_pytree()
-    ops = Fp8ArrayOps(backend, device=device, xp=namespace)
+    ops = make_ops(backend, device=device, xp=namespace)
     values = initial_state_values(config)
     n, length = config.size, config.history_len
     return Fp8State(
@@ -85,6 +93,7 @@ def init_state(config: Fp8Config, backend: Any = "numpy", device: Any = None) ->
         zero_amax=ops.new_array([0] * n, "int32"),
         nonfinite=ops.new_array([0] * n, "int32"),
         steps=ops.new_array(0, "int32"),
+        head=ops.new_array([0] * n, "int32"),
     )
 
 
@@ -181,7 +190,7 @@ class Fp8Scaler:
             return ops.xp.tensor(float(a), dtype=ops.xp.float32, device=ops.device)
         return ops.xp.asarray(float(a), dtype=ops.xp.float32)
 
-    def update(self, amax: Any, step_ok: Any = True, *, group: Any = UNSET) -> Fp8Scaler:
+    def update(self, amax: Any, step_ok: Any = True, *, group: Any = UNSET, donate: bool = False) -> Fp8Scaler:
         """The scaler after one optimizer step whose amaxes were ``amax``.
 
         Args:
@@ -195,17 +204,21 @@ class Fp8Scaler:
                 process group or ``"world"``, JAX axis name(s), a CuPy NCCL communicator, a
                 callable, or ``None`` (this rank's own). Required while ``torch.distributed``
                 runs with several ranks or the amaxes vary over mapped JAX axes.
+            donate: give this scaler's state up, so that NumPy, torch and CuPy write the one
+                new amax per slot into its history buffer instead of copying ``[N, L]``
+                values; this scaler must not be used afterwards.
 
         Raises:
             ValueError, KeyError, TypeError: ``amax`` of the wrong shape, framework or slots,
-                or a distributed run without ``group``; nothing is changed.
+                a ``step_ok`` that is not a bool, or a distributed run without ``group``; nothing
+                is changed.
         """
         vector = self._amax_vector(amax)
         group = resolve_group(group, vector)
         check_group(group, self.framework)
         if group is not None:
             vector = reduce_amax(vector, group)
-        state, _updated = update_state(self.config, self.state, vector, step_ok)
+        state, _updated = update_state(self.config, self.state, vector, step_ok, donate=donate)
         return Fp8Scaler(self.config, state)
 
     # ------------------------------------------------------------------ casts
@@ -218,31 +231,55 @@ class Fp8Scaler:
         """The dequantization scale of ``slot`` (a 0-d array)."""
         return self.state.scale_inv[self.index(slot)]
 
-    def quantize(self, x: Any, slot: str | int) -> tuple[Any, Any, Any]:
+    def _cast_scales(self, k: int, amax: Any) -> tuple[Any, Any]:
+        """The ``(scale, scale_inv)`` a cast of slot ``k`` uses: the state's, or in a warm-up
+        (torchao's first cast, MS-AMP's in-time scaling) the rule applied to ``amax``."""
+        c = self.config
+        scale, scale_inv = self.state.scale[k], self.state.scale_inv[k]
+        if c.warmup == "none":
+            return scale, scale_inv
+        ops = ops_of(c, self.state.scale)
+        early, early_inv = warmup_scale(c, ops.enter(scale), ops.enter(amax), ops.f32(c.slot_max[k]), ops)
+        warm = in_warmup(c, self.state.filled[k], ops)
+        return ops.where(warm, ops.leave(early), scale), ops.where(warm, ops.leave(early_inv), scale_inv)
+
+    def quantize(self, x: Any, slot: str | int, compute_dtype: Any = None) -> tuple[Any, Any, Any]:
         """``(q, scale_inv, amax)``: ``x`` saturated into ``slot``'s format, the scale to
-        dequantize it with, and ``max(|x|)`` for the next :meth:`update`. Changes no state."""
-        k = self.index(slot)
-        fmt = self.config.slot_formats[k]
-        if self.config.storage == "inverse":
-            q = quantize(x, self.state.scale_inv[k], fmt, divide=True)
-        else:
-            q = quantize(x, self.state.scale[k], fmt)
-        return q, self.state.scale_inv[k], tensor_amax(x)
+        dequantize it with, and ``max(|x|)`` for the next :meth:`update`. Changes no state.
 
-    def dequantize(self, q: Any, slot: str | int, dtype: Any = None) -> Any:
-        """``q * scale_inv`` of ``slot``."""
-        return dequantize(q, self.state.scale_inv[self.index(slot)], dtype)
-
-    def qdq(self, x: Any, slot: str | int) -> Any:
-        """Fake quantization of ``x`` with ``slot``'s scales, in ``x``'s dtype."""
+        Cast as the preset's anchor does (the ``cast`` setting); ``compute_dtype`` is the
+        dtype flax and Keras divide in (``None``: ``x``'s dtype; the other presets cast in
+        float32). In a warm-up (``warmup`` setting) the scale comes from ``amax`` itself.
+        """
         k = self.index(slot)
-        return quantize_dequantize(
-            x,
-            self.state.scale[k],
-            self.state.scale_inv[k],
-            self.config.slot_formats[k],
-            divide=self.config.storage == "inverse",
-        )
+        c = self.config
+        amax = tensor_amax(x)
+        scale, scale_inv = self._cast_scales(k, amax)
+        q = quantize_as(x, scale, scale_inv, c.slot_formats[k], c.cast, compute_dtype)
+        return q, scale_inv, amax
+
+    def dequantize(self, q: Any, slot: str | int, dtype: Any = None, compute_dtype: Any = None) -> Any:
+        """``q`` back in ``dtype`` (``None``: float32) with ``slot``'s scales, as the preset's
+        anchor dequantizes (``q * scale_inv``; torchao ``q / scale``; flax and Keras ``q * S``
+        in ``dtype`` or, for Keras, ``compute_dtype``). Uses the state's scales: a cast in a
+        warm-up dequantizes with the ``scale_inv`` that :meth:`quantize` returned."""
+        k = self.index(slot)
+        return dequantize_as(q, self.state.scale[k], self.state.scale_inv[k], self.config.cast, dtype, compute_dtype)
+
+    def qdq(self, x: Any, slot: str | int, compute_dtype: Any = None) -> Any:
+        """Fake quantization of ``x`` with ``slot``'s scales, as the preset's anchor does it: in
+        ``x``'s dtype (Keras: the compute dtype; torchao rowwise: float32)."""
+        k = self.index(slot)
+        c = self.config
+        scale, scale_inv = self._cast_scales(k, tensor_amax(x) if c.warmup != "none" else None)
+        q = quantize_as(x, scale, scale_inv, c.slot_formats[k], c.cast, compute_dtype)
+        return dequantize_as(q, scale, scale_inv, c.cast, x.dtype, compute_dtype)
+
+    def history(self, slot: str | int | None = None) -> Any:
+        """The amax history, oldest first: ``[N, L]``, or ``[L]`` for one ``slot`` (the
+        state's framework and device; the state keeps it as a ring buffer)."""
+        ordered = canonical_history(self.state)
+        return ordered if slot is None else ordered[self.index(slot)]
 
     # ------------------------------------------------------------------ host reads
 
@@ -284,8 +321,9 @@ def _to_host(array: Any) -> Any:
 
 
 def host_state(state: Fp8State) -> Fp8State:
-    """``state`` as NumPy arrays (a host read)."""
-    return Fp8State(*(_to_host(field) for field in state))
+    """``state`` as NumPy arrays (a host read); a missing ``head`` (canonical order) as zeros."""
+    head = np.zeros(np.shape(_to_host(state.scale)), np.int32) if state.head is None else _to_host(state.head)
+    return Fp8State(*(_to_host(field) for field in state[:-1]))._replace(head=head)
 
 
 def to_framework(state: Fp8State, framework: str, device: Any = None, xp: Any = None) -> Fp8State:

@@ -3,7 +3,7 @@
 A dict from :meth:`Fp8Scaler.state_dict` is plain JSON::
 
     {"ampscale_fp8": {
-        "version": 1, "preset": "te_delayed",
+        "version": 2, "preset": "te_delayed",
         "settings": {"formats": "hybrid", "history_len": 1024, ...},
         "steps": 17,
         "slots": [{"name": "fc1.x", "role": "forward", "format": "e4m3fn",
@@ -12,26 +12,30 @@ A dict from :meth:`Fp8Scaler.state_dict` is plain JSON::
                    "filled": 17, "zero_amax": 0, "nonfinite": 0}, ...]}}
 
 Floats are written as hex (exact, inf and nan included) and the history in canonical order,
-oldest first, whatever layout a backend keeps it in. Loading checks every key and value before
-anything is built, and that the recipe matches the loading scaler's: a setting that differs is
-named, with both values. :func:`from_transformer_engine`, :func:`from_flax` and
+oldest first, whatever layout a backend keeps it in (the state's ring buffer is unrolled here).
+Loading checks every key and value before anything is built, and that the recipe matches the
+loading scaler's: every setting must be there (a version-1 dict may lack the settings version 2
+added, and is read as holding the values that version-1 ampscale used), and a setting that
+differs is named, with both values. :func:`from_transformer_engine`, :func:`from_flax` and
 :func:`from_keras` turn the anchors' own state into this layout.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import io
 import math
 import numbers
 import pickle
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
 from ampscale._config import shown
 from ampscale._errors import StateDictError
-from ampscale.fp8._config import FP8_PRESETS, SETTINGS_ORDER, Fp8Config
-from ampscale.fp8._transition import Fp8State
+from ampscale.fp8._config import FP8_PRESETS, SETTINGS_ORDER, SETTINGS_SINCE_V2, Fp8Config
+from ampscale.fp8._transition import Fp8State, canonical_order
 from ampscale.fp8._update import update_state
 
 __all__ = [
@@ -43,7 +47,7 @@ __all__ = [
     "to_state_dict",
 ]
 
-FP8_FORMAT_VERSION: Final = 1
+FP8_FORMAT_VERSION: Final = 2
 _INT32_MAX = 2**31 - 1
 _SLOT_KEYS = ("name", "role", "format", "scale", "scale_inv", "history", "filled", "zero_amax", "nonfinite")
 
@@ -61,8 +65,10 @@ def to_state_dict(config: Fp8Config, state: Fp8State) -> dict[str, Any]:
     """The dict for ``config`` and a host (NumPy) ``state``."""
     slots = []
     formats = config.slot_formats
+    heads = np.zeros(config.size, np.int64) if state.head is None else np.asarray(state.head, np.int64)
     for k, name in enumerate(config.slots):
-        history = np.ascontiguousarray(state.history[k], dtype="<f4")
+        ring = np.asarray(state.history[k])
+        history = np.ascontiguousarray(ring[canonical_order(int(heads[k]), ring.shape[0])], dtype="<f4")
         slots.append(
             {
                 "name": name,
@@ -154,10 +160,23 @@ def from_state_dict(state_dict: Any, config: Fp8Config) -> Fp8State:
     if unknown:
         raise StateDictError(f"FP8 state dict has unknown setting(s) {unknown} under 'ampscale_fp8.settings'")
     mine = config.settings()
+    if version < 2:
+        # settings that version 1 did not write: the value it used (None: it changed no state)
+        settings = {
+            **{name: mine[name] if value is None else value for name, value in SETTINGS_SINCE_V2.items()},
+            **settings,
+        }
+    missing = [name for name in SETTINGS_ORDER if name not in settings]
+    if missing:
+        raise StateDictError(
+            f"FP8 state dict misses recipe setting(s) {missing} under 'ampscale_fp8.settings'; a checkpoint of "
+            f"format version {version} holds every one of {list(SETTINGS_ORDER)}, so it cannot be checked "
+            "against this scaler's recipe"
+        )
     differ = [
         f"{name}: saved {shown(settings[name])}, this scaler {mine[name]!r}"
         for name in SETTINGS_ORDER
-        if name in settings and settings[name] != mine[name]
+        if settings[name] != mine[name]
     ]
     if differ:
         raise StateDictError(
@@ -200,7 +219,14 @@ def from_state_dict(state_dict: Any, config: Fp8Config) -> Fp8State:
         for key, array in counters.items():
             array[k] = _count(f"{where}.{key}", entry[key])
     return Fp8State(
-        scale, scale_inv, history, counters["filled"], counters["zero_amax"], counters["nonfinite"], np.int32(steps)
+        scale,
+        scale_inv,
+        history,
+        counters["filled"],
+        counters["zero_amax"],
+        counters["nonfinite"],
+        np.int32(steps),
+        head=np.zeros(n, np.int32),
     )
 
 
@@ -221,30 +247,171 @@ def _canonical_te(history: np.ndarray) -> np.ndarray:
     return out
 
 
+class _TEFormat(NamedTuple):
+    """Stand-in for ``transformer_engine.common.recipe._FormatHelper`` (the maxima of a format)."""
+
+    max_fwd: float
+    max_bwd: float
+
+
+#: TE's ``Format`` members by their maxima, and the ``formats`` setting each one is
+_TE_FORMATS: Final = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID", (6, 6): "E2M1"}
+_TE_FORMAT_SETTING: Final = {"E4M3": "e4m3fn", "HYBRID": "hybrid", "E5M2": "e5m2"}
+
+
+class _TERecipe:
+    """Stand-in for TE's recipe dataclasses (``DelayedScaling``, ...): their fields, nothing run."""
+
+    kind = "Recipe"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__ state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"TE's {self.kind} pickled a {type(state).__name__}, not its fields")
+        self.__dict__.update(state)
+
+
+def _te_format(value: Any) -> str:
+    """``Format(_FormatHelper(...))``, as unpickling an enum member calls it: the member's name."""
+    return _TE_FORMATS.get((value.max_fwd, value.max_bwd), f"unknown {tuple(value)}")
+
+
+_TE_STAND_INS: dict[str, type] = {}
+
+
+def _te_class(name: str) -> Any:
+    if name == "Format":
+        return _te_format
+    if name == "_FormatHelper":
+        return _TEFormat
+    if name not in _TE_STAND_INS:
+        _TE_STAND_INS[name] = type(name, (_TERecipe,), {"kind": name, "__module__": __name__})
+    return _TE_STAND_INS[name]
+
+
+class _TEUnpickler(pickle.Unpickler):
+    """Unpickles TE's ``_extra_state`` without importing TE and without running any code but
+    the constructors listed here: TE's recipe classes become plain stand-ins (TE 2.x pickles
+    ``transformer_engine.common.recipe.DelayedScaling``, and importing TE without its CUDA core
+    raises "Found empty transformer-engine meta package"), and torch's tensors are rebuilt by
+    torch's own weights-only loader."""
+
+    _RECIPES = frozenset(
+        {
+            "Recipe",
+            "DelayedScaling",
+            "Float8CurrentScaling",
+            "MXFP8BlockScaling",
+            "Float8BlockScaling",
+            "NVFP4BlockScaling",
+            "CustomRecipe",
+            "MMParams",
+            "QParams",
+            "Format",
+            "_FormatHelper",
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "transformer_engine.common.recipe" and name in self._RECIPES:
+            return _te_class(name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes")):
+            try:
+                import torch
+                import torch._utils
+            except ImportError:
+                raise StateDictError("TE's _extra_state holds torch tensors: install torch to read it") from None
+            if name == "_load_from_bytes":
+                # torch's own _load_from_bytes loads with weights_only=False; the bytes are a
+                # storage, which the weights-only loader reads without running code
+                return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+            return torch._utils._rebuild_tensor_v2
+        raise pickle.UnpicklingError(
+            f"TE's _extra_state refers to {module}.{name}, which is not one of TE's recipe classes or torch's "
+            "tensor rebuilders; refusing to load it"
+        )
+
+
+def _unpickle_te(raw: bytes) -> Any:
+    try:
+        return _TEUnpickler(io.BytesIO(raw)).load()
+    except StateDictError:
+        raise
+    except Exception as error:
+        raise StateDictError(f"TE's _extra_state could not be unpickled: {error}") from error
+
+
+def _check_te_recipe(recipe: Any, config: Fp8Config) -> None:
+    """Refuse a TE recipe whose trajectory differs from ``config``'s, naming the field."""
+    kind = recipe.kind if isinstance(recipe, _TERecipe) else type(recipe).__name__
+    if kind in _TEUnpickler._RECIPES and kind != "DelayedScaling":
+        raise StateDictError(f"TE's _extra_state holds a {kind} recipe; only DelayedScaling keeps a history to import")
+    if getattr(recipe, "scaling_factor_compute_algo", None) is not None:
+        raise StateDictError(
+            "TE's recipe has scaling_factor_compute_algo set (a callable ampscale cannot reproduce); accepted: None"
+        )
+    algo = getattr(recipe, "amax_compute_algo", "max")
+    if not isinstance(algo, str):
+        raise StateDictError(
+            f"TE's recipe has a callable amax_compute_algo ({shown(algo)}); accepted: 'max' or 'most_recent'"
+        )
+    fmt = getattr(recipe, "fp8_format", "HYBRID")
+    fmt = fmt if isinstance(fmt, str) else getattr(fmt, "name", str(fmt))
+    expected = {
+        "amax_history_len": config.history_len,
+        "margin": config.margin,
+        "amax_compute_algo": config.amax_algo,
+        "fp8_format": next((k for k, v in _TE_FORMAT_SETTING.items() if v == config.formats), config.formats),
+    }
+    theirs = {
+        "amax_history_len": getattr(recipe, "amax_history_len", 1024),
+        "margin": getattr(recipe, "margin", 0),
+        "amax_compute_algo": algo,
+        "fp8_format": fmt,
+    }
+    for name, mine in expected.items():
+        if theirs[name] != mine:
+            raise StateDictError(f"TE's recipe has {name}={shown(theirs[name])}; this scaler has {mine!r}")
+
+
 def from_transformer_engine(
     extra_state: Any, config: Fp8Config, allow_pickle: bool = False, steps: int = 0
 ) -> dict[str, Any]:
     """An ampscale FP8 state dict from TE's torch ``_extra_state`` (a dict, or its pickled bytes).
 
     ``config``'s slots must list TE's forward scales first, then its backward scales, as TE
-    orders ``scale_fwd`` and ``scale_bwd``. The recipe inside is checked against ``config``
-    (``amax_history_len`` and ``margin``; ``amax_compute_algo``).
+    orders ``scale_fwd`` and ``scale_bwd``. Every field of the recipe inside that changes the
+    scales' trajectory is checked against ``config``: ``amax_history_len``, ``margin``,
+    ``amax_compute_algo`` (a callable is refused), ``fp8_format`` and
+    ``scaling_factor_compute_algo`` (must be ``None``). ``reduce_amax`` is not a setting of the
+    update: it says whether the amaxes given to :meth:`~ampscale.fp8.Fp8Scaler.update` were
+    reduced across ranks first, which is the caller's to do. Pickles are read by a restricted
+    unpickler that maps TE's recipe classes to plain stand-ins and imports nothing of TE, so TE
+    2.x checkpoints load on machines without TE's CUDA core.
 
     Args:
-        extra_state: the dict ``{"scale_fwd", "amax_history_fwd", "scale_bwd",
+        extra_state: the dict ``{"recipe", "scale_fwd", "amax_history_fwd", "scale_bwd",
             "amax_history_bwd", ...}`` or the bytes / uint8 tensor TE stores.
         config: the loading scaler's config.
-        allow_pickle: unpickle bytes (never by default: a pickle can run any code).
+        allow_pickle: unpickle bytes (never by default: TE's format is a pickle).
         steps: the ``steps`` counter to record.
+
+    Raises:
+        ampscale.StateDictError: pickled bytes without ``allow_pickle``, a pickle that refers
+            to anything but TE's recipe classes and torch's tensors, or a recipe field, slot
+            count or history length that differs from ``config`` (each one named).
     """
     if isinstance(extra_state, (bytes, bytearray)) or hasattr(extra_state, "numpy"):
         if not allow_pickle:
             raise StateDictError(
-                "TE's _extra_state is a pickle, which can run any code when loaded; pass allow_pickle=True "
-                "if you trust this checkpoint"
+                "TE's _extra_state is a pickle; pass allow_pickle=True if you trust this checkpoint (it is read "
+                "by a restricted unpickler that only rebuilds TE's recipe fields and torch tensors)"
             )
         raw = bytes(extra_state) if isinstance(extra_state, (bytes, bytearray)) else extra_state.numpy().tobytes()
-        extra_state = pickle.loads(raw)
+        extra_state = _unpickle_te(raw)
     if not isinstance(extra_state, dict):
         raise StateDictError(f"TE's _extra_state must be a dict; got {type(extra_state).__name__}")
     scales, histories = [], []
@@ -258,10 +425,7 @@ def from_transformer_engine(
     history = np.concatenate([_canonical_te(h) for h in histories]).astype(np.float32)
     recipe = extra_state.get("recipe")
     if recipe is not None:
-        for name, mine in (("amax_history_len", config.history_len), ("margin", config.margin)):
-            theirs = getattr(recipe, name, mine)
-            if theirs != mine:
-                raise StateDictError(f"TE's recipe has {name}={shown(theirs)}; this scaler has {mine!r}")
+        _check_te_recipe(recipe, config)
     if scale.shape[0] != config.size or history.shape[1] != config.history_len:
         raise StateDictError(
             f"TE's _extra_state holds {scale.shape[0]} scales with history length {history.shape[1]}; this "
@@ -269,15 +433,8 @@ def from_transformer_engine(
         )
     with np.errstate(divide="ignore"):
         inverse = (np.float32(1.0) / scale).astype(np.float32)
-    state = Fp8State(
-        scale,
-        inverse,
-        history,
-        np.zeros(config.size, np.int32),
-        np.zeros(config.size, np.int32),
-        np.zeros(config.size, np.int32),
-        np.int32(steps),
-    )
+    zeros = np.zeros(config.size, np.int32)
+    state = Fp8State(scale, inverse, history, zeros, zeros.copy(), zeros.copy(), np.int32(steps), head=zeros.copy())
     return to_state_dict(config, state)
 
 
@@ -310,7 +467,7 @@ def _from_inverse(
     with np.errstate(divide="ignore"):
         scale = (np.float32(1.0) / scale_inv).astype(np.float32)
     zeros = np.zeros(n, np.int32)
-    state = Fp8State(scale, scale_inv, history, zeros, zeros.copy(), zeros.copy(), np.int32(steps))
+    state = Fp8State(scale, scale_inv, history, zeros, zeros.copy(), zeros.copy(), np.int32(steps), head=zeros.copy())
     if recompute:
         # flax's variable scale was computed before the newest amax; ampscale's scale has seen
         # it (flax computes it at its next call): the window's scale, without writing anything

@@ -53,7 +53,7 @@ from ampscale.fp8._cast import fp8_dtype
 from ampscale.fp8._config import FORMATS, Fp8Config, make_fp8_config
 from ampscale.fp8._scaler import Fp8Scaler
 from ampscale.fp8._transition import Fp8State
-from ampscale.fp8._update import update_state
+from ampscale.fp8._update import canonical_history, update_state
 
 __all__ = [
     "OPERANDS",
@@ -130,13 +130,15 @@ def advance(config: Fp8Config, scale_var: Any, history_var: Any, amax_var: Any) 
     pending = _f32(amax_var).reshape(())
     scale, inverse = _derived(config, stored)
     zeros = jnp.zeros((1,), jnp.int32)
-    state = Fp8State(scale[None], inverse[None], history[None], zeros, zeros, zeros, jnp.zeros((), jnp.int32))
+    # the variable holds the history oldest first, as flax's layout is fixed (an export): the
+    # state's ring starts at head 0, and the written ring is read back in that order
+    state = Fp8State(scale[None], inverse[None], history[None], zeros, zeros, zeros, jnp.zeros((), jnp.int32), zeros)
     nxt, _updated = update_state(config, state, pending[None], True)
     none = pending == jnp.float32(_NO_AMAX)
     return (
         jnp.where(none, scale, nxt.scale[0]),
         jnp.where(none, inverse, nxt.scale_inv[0]),
-        jnp.where(none, history, nxt.history[0]),
+        jnp.where(none, history, canonical_history(nxt)[0]),
     )
 
 

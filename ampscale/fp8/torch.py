@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from ampscale.fp8._cast import quantize_dequantize, tensor_amax
+from ampscale.fp8._cast import quantize_dequantize
 from ampscale.fp8._combined import Fp8Step, unscale_and_update
 from ampscale.fp8._distributed import UNSET
+from ampscale.fp8._fused import amax as fused_amax
 from ampscale.fp8._scaler import Fp8Scaler, create_fp8_scaler
 
 __all__ = ["KINDS", "Fp8Hooks", "qdq"]
@@ -151,7 +152,8 @@ class Fp8Hooks:
     def _record(self, x: Any, slot: str) -> None:
         k = self.fp8_scaler.index(slot)
         with torch.no_grad():
-            amax = tensor_amax(x.detach()).to(self._amax.device)
+            # the fused pass, on one tensor: one read, no |x| temporary, exact on any subnormal
+            amax = fused_amax([x.detach()]).to(self._amax.device)
             # a max that keeps nan (torch.maximum propagates it), on the device
             torch.maximum(self._amax[k : k + 1], amax.reshape(1), out=self._amax[k : k + 1])
 

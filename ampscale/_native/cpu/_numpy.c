@@ -26,7 +26,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "kernels.h"
+#include "fp8_kernels.h"
 
 /* ---------------------------------------------------------------- aliasing */
 
@@ -493,6 +493,359 @@ static PyObject *tensor_kind(PyObject *self, PyObject *args) {
     return PyLong_FromLong(kind);
 }
 
+/* ---------------------------------------------------------------- FP8: amax and cast
+ *
+ * One pass over many buffers (of mixed float kinds) giving each one's amax and, with a format,
+ * its saturated FP8 payload and clipped count (fp8_kernels.h). Python allocates every output; the
+ * inputs are only read, so buffers may repeat or overlap. */
+
+/* `kinds`: an int (every buffer's kind) or a bytes object with one kind per buffer. */
+static int read_kind(PyObject *kinds, Py_ssize_t i, Py_ssize_t count, int *kind) {
+    long k;
+    if (PyLong_Check(kinds)) {
+        k = PyLong_AsLong(kinds);
+        if (k == -1 && PyErr_Occurred()) return -1;
+    } else if (PyBytes_Check(kinds) && PyBytes_GET_SIZE(kinds) == count) {
+        k = (unsigned char)PyBytes_AS_STRING(kinds)[i];
+    } else {
+        PyErr_Format(PyExc_TypeError, "kinds must be an int or bytes of one kind per buffer (%zd); got %R", count,
+                     kinds);
+        return -1;
+    }
+    if (k < 0 || k >= KIND_COUNT) {
+        PyErr_Format(PyExc_ValueError, "kind of buffer %zd must be in [0, %d); got %ld", i, KIND_COUNT, k);
+        return -1;
+    }
+    *kind = (int)k;
+    return 0;
+}
+
+/* A writable, contiguous buffer of `count` items of `itemsize` bytes whose struct format is one
+ * of the characters of `format` ("f": float32; "ql": int64, which NumPy spells 'l' on LP64). */
+static int output_buffer(PyObject *object, const char *name, const char *format, Py_ssize_t itemsize, Py_ssize_t count,
+                         Py_buffer *view) {
+    if (PyObject_GetBuffer(object, view, PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT) != 0) return -1;
+    const char *got = view->format ? view->format : "B";
+    if (got[0] == '<' || got[0] == '=' || got[0] == '@') got++;
+    if (strlen(got) != 1 || strchr(format, got[0]) == NULL || view->itemsize != itemsize || view->len != count * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s must be a writable contiguous buffer of %zd items of format '%c'; got %zd bytes of '%s'",
+                     name, count, format[0], view->len, view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The pass over `spans` (data, n, kind, and out/scale for a cast, filled), the GIL released; the
+ * amaxes written to `amaxes` as float32 and the clipped counts to `clipped` (with a cast).
+ * Returns 1 when every amax is finite, 0 otherwise, -1 with an exception set. */
+static int fp8_pass(Fp8Span *spans, Py_ssize_t count, int format, int divide, uint32_t nan_byte, float *amaxes,
+                    long long *clipped, int threads) {
+    uint64_t *top = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(uint64_t));
+    if (top == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ptrdiff_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        spans[i].start = total;
+        total += spans[i].n * kind_size[spans[i].kind];
+    }
+    if (clipped != NULL) memset(clipped, 0, (size_t)count * sizeof(long long));
+    Py_BEGIN_ALLOW_THREADS
+    fp8_run_all(spans, count, total, format, divide, nan_byte, top, clipped, threads);
+    Py_END_ALLOW_THREADS
+    int finite = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        amaxes[i] = fp8_top_to_f32(spans[i].kind, top[i]);
+        finite &= (f32_bits(amaxes[i]) & 0x7f800000u) != 0x7f800000u;
+    }
+    PyMem_Free(top);
+    return finite;
+}
+
+/* The format code and NaN byte of a cast, checked. */
+static int read_format(int format, unsigned int nan_byte) {
+    if (format < 0 || format >= FP8_FORMAT_COUNT) {
+        PyErr_Format(PyExc_ValueError, "format must be in [0, %d); got %d", FP8_FORMAT_COUNT, format);
+        return -1;
+    }
+    if (nan_byte > 0xffu) {
+        PyErr_Format(PyExc_ValueError, "nan_byte must be in [0, 255]; got %u", nan_byte);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(fp8_amax_doc,
+             "fp8_amax(arrays, kinds, amaxes, threads) -> bool\n\n"
+             "max(|x|) of every contiguous buffer in `arrays` (their kinds: an int, or bytes with\n"
+             "one KIND_* code per buffer), written to `amaxes` (a writable float32 buffer, one item\n"
+             "per array): NaN if the buffer holds a NaN, else inf if it holds an inf; 0 for an empty\n"
+             "buffer. Returns True when every amax is finite. Reads only.");
+
+static PyObject *fp8_amax(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *arrays, *kinds, *out;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOi", &arrays, &kinds, &out, &threads)) return NULL;
+    PyObject *seq = PySequence_Fast(arrays, "arrays must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer *views = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Py_buffer));
+    Fp8Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Fp8Span));
+    Py_buffer amax_view = {0};
+    int have_amax = 0, result = -1;
+    Py_ssize_t acquired = 0;
+    if (views == NULL || spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (output_buffer(out, "amaxes", "f", 4, count, &amax_view) != 0) goto done;
+    have_amax = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int kind;
+        if (read_kind(kinds, i, count, &kind) != 0) goto done;
+        if (PyObject_GetBuffer(items[i], &views[i], PyBUF_ANY_CONTIGUOUS) != 0) goto done;
+        acquired++;
+        if (views[i].len % kind_size[kind] != 0) {
+            PyErr_Format(PyExc_ValueError, "buffer %zd has %zd bytes, not a multiple of %zd", i, views[i].len,
+                         (Py_ssize_t)kind_size[kind]);
+            goto done;
+        }
+        spans[i] = (Fp8Span){(const char *)views[i].buf, NULL, views[i].len / kind_size[kind], 0, kind, 1.0f};
+    }
+    result = fp8_pass(spans, count, -1, 0, 0, (float *)amax_view.buf, NULL, threads);
+done:
+    for (Py_ssize_t i = 0; i < acquired; i++) PyBuffer_Release(&views[i]);
+    if (have_amax) PyBuffer_Release(&amax_view);
+    PyMem_Free(views);
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    if (result < 0) return NULL;
+    return PyBool_FromLong(result);
+}
+
+PyDoc_STRVAR(fp8_amax_cast_doc,
+             "fp8_amax_cast(arrays, kinds, outs, scales, format, divide, nan_byte, amaxes, clipped,\n"
+             "              threads) -> bool\n\n"
+             "fp8_amax(), and in the same pass saturate(x * scales[i]) (x / scales[i] with `divide`)\n"
+             "of every element of buffer i written as FP8 `format` (FP8_* code) to `outs[i]` (a\n"
+             "writable byte buffer of as many elements), NaN as `nan_byte` (with the sign where the\n"
+             "format has one); `clipped[i]` (int64) the elements whose product exceeded fp8_max.\n"
+             "`scales`: a float32 buffer, one item per array.");
+
+static PyObject *fp8_amax_cast(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *arrays, *kinds, *outs, *scales, *amax_out, *clipped_out;
+    int format, divide, threads;
+    unsigned int nan_byte;
+    if (!PyArg_ParseTuple(args, "OOOOipIOOi", &arrays, &kinds, &outs, &scales, &format, &divide, &nan_byte, &amax_out,
+                          &clipped_out, &threads)) {
+        return NULL;
+    }
+    if (read_format(format, nan_byte) != 0) return NULL;
+    PyObject *seq = PySequence_Fast(arrays, "arrays must be a sequence of buffers");
+    if (seq == NULL) return NULL;
+    PyObject *out_seq = PySequence_Fast(outs, "outs must be a sequence of buffers");
+    if (out_seq == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject **out_items = PySequence_Fast_ITEMS(out_seq);
+    Py_buffer *views = PyMem_Calloc(count > 0 ? 2 * (size_t)count : 1, sizeof(Py_buffer));
+    Fp8Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Fp8Span));
+    Py_buffer amax_view = {0}, clipped_view = {0}, scale_view = {0};
+    int outputs = 0, result = -1;
+    Py_ssize_t acquired = 0;
+    if (views == NULL || spans == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PySequence_Fast_GET_SIZE(out_seq) != count) {
+        PyErr_Format(PyExc_ValueError, "outs must hold one buffer per array (%zd); got %zd", count,
+                     PySequence_Fast_GET_SIZE(out_seq));
+        goto done;
+    }
+    if (output_buffer(amax_out, "amaxes", "f", 4, count, &amax_view) != 0) goto done;
+    outputs = 1;
+    if (output_buffer(clipped_out, "clipped", "ql", 8, count, &clipped_view) != 0) goto done;
+    outputs = 2;
+    if (PyObject_GetBuffer(scales, &scale_view, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT) != 0) goto done;
+    outputs = 3;
+    if (scale_view.itemsize != 4 || scale_view.len != count * 4 || scale_view.format == NULL ||
+        strchr(scale_view.format, 'f') == NULL) {
+        PyErr_Format(PyExc_ValueError, "scales must be a contiguous float32 buffer of %zd items", count);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int kind;
+        if (read_kind(kinds, i, count, &kind) != 0) goto done;
+        if (PyObject_GetBuffer(items[i], &views[2 * i], PyBUF_ANY_CONTIGUOUS) != 0) goto done;
+        acquired++;
+        if (PyObject_GetBuffer(out_items[i], &views[2 * i + 1], PyBUF_WRITABLE | PyBUF_ANY_CONTIGUOUS) != 0) goto done;
+        acquired++;
+        const Py_ssize_t n = views[2 * i].len / kind_size[kind];
+        if (views[2 * i].len % kind_size[kind] != 0 || views[2 * i + 1].len != n) {
+            PyErr_Format(PyExc_ValueError, "buffer %zd: %zd bytes of kind %d need an output of %zd bytes; got %zd", i,
+                         views[2 * i].len, kind, n, views[2 * i + 1].len);
+            goto done;
+        }
+        spans[i] = (Fp8Span){(const char *)views[2 * i].buf, (uint8_t *)views[2 * i + 1].buf, n, 0, kind,
+                             ((const float *)scale_view.buf)[i]};
+    }
+    result = fp8_pass(spans, count, format, divide, nan_byte, (float *)amax_view.buf, (long long *)clipped_view.buf,
+                      threads);
+done:
+    for (Py_ssize_t i = 0; i < acquired; i++) PyBuffer_Release(&views[i]);
+    if (outputs >= 1) PyBuffer_Release(&amax_view);
+    if (outputs >= 2) PyBuffer_Release(&clipped_view);
+    if (outputs >= 3) PyBuffer_Release(&scale_view);
+    PyMem_Free(views);
+    PyMem_Free(spans);
+    Py_DECREF(seq);
+    Py_DECREF(out_seq);
+    if (result < 0) return NULL;
+    return PyBool_FromLong(result);
+}
+
+/* Fill `spans` from framework tensors read through DLPack: 1 if every one is a CPU float
+ * tensor of the exact `types`, C-contiguous, with memory (kinds may differ); 0 if not (no error
+ * set); -1 on error. With `outs`, each needs a uint8 CPU tensor of as many elements, C-contiguous. */
+static int gather_fp8_tensors(PyObject **items, PyObject **outs, Py_ssize_t count, PyObject *types,
+                              const AmpDLExchangeAPI *api, Fp8Span *spans) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Span span;
+        int kind;
+        if (gather_tensors(&items[i], 1, types, api, &span, &kind) <= 0) return PyErr_Occurred() ? -1 : 0;
+        spans[i] = (Fp8Span){span.data, NULL, span.n, 0, kind, 1.0f};
+        if (outs == NULL) continue;
+        PyObject *out = outs[i];
+        int allowed = 0;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++) allowed |= (PyObject *)Py_TYPE(out) == PyTuple_GET_ITEM(types, k);
+        AmpDLTensor t;
+        if (!allowed || api->dltensor_from_py_object_no_sync(out, &t) != 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        int64_t n = 1, expected = 1;
+        int contiguous = 1;
+        for (int32_t d = t.ndim - 1; d >= 0; d--) {
+            if (t.shape[d] != 1 && t.strides[d] != expected) contiguous = 0;
+            expected *= t.shape[d];
+            n *= t.shape[d];
+        }
+        if (t.device.device_type != AMP_DL_CPU || t.dtype.code != 1 || t.dtype.bits != 8 || t.dtype.lanes != 1 ||
+            n != span.n || (n > 0 && (!contiguous || t.data == NULL))) {
+            return 0;
+        }
+        spans[i].out = (uint8_t *)t.data + t.byte_offset;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(fp8_amax_tensors_doc,
+             "fp8_amax_tensors(tensors, types, api, amaxes, threads) -> bool | None\n\n"
+             "fp8_amax() over a framework's tensors (a list) read through the DLPack C exchange API\n"
+             "capsule `api`: None (nothing written) unless every tensor is of one of the exact\n"
+             "`types`, on the CPU, a float16/bfloat16/float32/float64 tensor, C-contiguous and\n"
+             "backed by memory (dtypes may differ).");
+
+static PyObject *fp8_amax_tensors(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *types, *capsule, *out;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!O!OOi", &PyList_Type, &tensors, &PyTuple_Type, &types, &capsule, &out, &threads)) {
+        return NULL;
+    }
+    const AmpDLExchangeAPI *api = exchange_api(capsule);
+    const Py_ssize_t count = PyList_GET_SIZE(tensors);
+    if (api == NULL) Py_RETURN_NONE;
+    Fp8Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Fp8Span));
+    if (spans == NULL) return PyErr_NoMemory();
+    int found = gather_fp8_tensors(PySequence_Fast_ITEMS(tensors), NULL, count, types, api, spans);
+    if (found <= 0) {
+        PyMem_Free(spans);
+        if (found < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_buffer amax_view;
+    if (output_buffer(out, "amaxes", "f", 4, count, &amax_view) != 0) {
+        PyMem_Free(spans);
+        return NULL;
+    }
+    int result = fp8_pass(spans, count, -1, 0, 0, (float *)amax_view.buf, NULL, threads);
+    PyBuffer_Release(&amax_view);
+    PyMem_Free(spans);
+    if (result < 0) return NULL;
+    return PyBool_FromLong(result);
+}
+
+PyDoc_STRVAR(fp8_amax_cast_tensors_doc,
+             "fp8_amax_cast_tensors(tensors, outs, types, api, scales, format, divide, nan_byte,\n"
+             "                      amaxes, clipped, threads) -> bool | None\n\n"
+             "fp8_amax_cast() over a framework's tensors, the payloads written to `outs` (uint8 CPU\n"
+             "tensors, C-contiguous, one element per input element); `scales`, `amaxes` and\n"
+             "`clipped` are buffers as for fp8_amax_cast(). None (nothing written) where\n"
+             "fp8_amax_tensors() would return None, or an output is not such a tensor.");
+
+static PyObject *fp8_amax_cast_tensors(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tensors, *outs, *types, *capsule, *scales, *amax_out, *clipped_out;
+    int format, divide, threads;
+    unsigned int nan_byte;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOipIOOi", &PyList_Type, &tensors, &PyList_Type, &outs, &PyTuple_Type, &types,
+                          &capsule, &scales, &format, &divide, &nan_byte, &amax_out, &clipped_out, &threads)) {
+        return NULL;
+    }
+    if (read_format(format, nan_byte) != 0) return NULL;
+    const AmpDLExchangeAPI *api = exchange_api(capsule);
+    const Py_ssize_t count = PyList_GET_SIZE(tensors);
+    if (api == NULL || PyList_GET_SIZE(outs) != count) Py_RETURN_NONE;
+    Fp8Span *spans = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Fp8Span));
+    if (spans == NULL) return PyErr_NoMemory();
+    int found = gather_fp8_tensors(PySequence_Fast_ITEMS(tensors), PySequence_Fast_ITEMS(outs), count, types, api, spans);
+    if (found <= 0) {
+        PyMem_Free(spans);
+        if (found < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_buffer amax_view, clipped_view, scale_view;
+    if (output_buffer(amax_out, "amaxes", "f", 4, count, &amax_view) != 0) {
+        PyMem_Free(spans);
+        return NULL;
+    }
+    if (output_buffer(clipped_out, "clipped", "ql", 8, count, &clipped_view) != 0) {
+        PyBuffer_Release(&amax_view);
+        PyMem_Free(spans);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(scales, &scale_view, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+        PyBuffer_Release(&amax_view);
+        PyBuffer_Release(&clipped_view);
+        PyMem_Free(spans);
+        return NULL;
+    }
+    int result = -1;
+    if (scale_view.itemsize != 4 || scale_view.len != count * 4 || scale_view.format == NULL ||
+        strchr(scale_view.format, 'f') == NULL) {
+        PyErr_Format(PyExc_ValueError, "scales must be a contiguous float32 buffer of %zd items", count);
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) spans[i].scale = ((const float *)scale_view.buf)[i];
+        result = fp8_pass(spans, count, format, divide, nan_byte, (float *)amax_view.buf, (long long *)clipped_view.buf,
+                          threads);
+    }
+    PyBuffer_Release(&scale_view);
+    PyBuffer_Release(&amax_view);
+    PyBuffer_Release(&clipped_view);
+    PyMem_Free(spans);
+    if (result < 0) return NULL;
+    return PyBool_FromLong(result);
+}
+
 PyDoc_STRVAR(use_isa_doc,
              "use_isa(name) -> str\n\n"
              "Select the kernel family: 'generic' (portable C), 'avx2', or 'best' (the fastest\n"
@@ -523,6 +876,10 @@ static PyMethodDef methods[] = {
     {"check_and_unscale_at", check_and_unscale_at, METH_VARARGS, check_and_unscale_at_doc},
     {"check_and_unscale_tensors", check_and_unscale_tensors, METH_VARARGS, check_and_unscale_tensors_doc},
     {"tensor_kind", tensor_kind, METH_VARARGS, tensor_kind_doc},
+    {"fp8_amax", fp8_amax, METH_VARARGS, fp8_amax_doc},
+    {"fp8_amax_cast", fp8_amax_cast, METH_VARARGS, fp8_amax_cast_doc},
+    {"fp8_amax_tensors", fp8_amax_tensors, METH_VARARGS, fp8_amax_tensors_doc},
+    {"fp8_amax_cast_tensors", fp8_amax_cast_tensors, METH_VARARGS, fp8_amax_cast_tensors_doc},
     {"use_isa", use_isa, METH_VARARGS, use_isa_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -547,7 +904,10 @@ PyMODINIT_FUNC PyInit__numpy(void) {
         PyModule_AddIntConstant(m, "KIND_FLOAT16", KIND_F16) < 0 ||
         PyModule_AddIntConstant(m, "KIND_BFLOAT16", KIND_BF16) < 0 ||
         PyModule_AddIntConstant(m, "KIND_FLOAT32", KIND_F32) < 0 ||
-        PyModule_AddIntConstant(m, "KIND_FLOAT64", KIND_F64) < 0) {
+        PyModule_AddIntConstant(m, "KIND_FLOAT64", KIND_F64) < 0 ||
+        PyModule_AddIntConstant(m, "FP8_E4M3FN", FP8_E4M3FN) < 0 || PyModule_AddIntConstant(m, "FP8_E5M2", FP8_E5M2) < 0 ||
+        PyModule_AddIntConstant(m, "FP8_E4M3FNUZ", FP8_E4M3FNUZ) < 0 ||
+        PyModule_AddIntConstant(m, "FP8_E5M2FNUZ", FP8_E5M2FNUZ) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -7,6 +7,8 @@
 
 * ``kernels.cu`` and :mod:`ampscale._native.cuda._plan`: the check + unscale kernel with the state
   transition in its last block, and the one-thread update kernel, for one configuration.
+* ``fp8_kernels.cu`` and :mod:`ampscale._native.cuda._fp8`: the fused FP8 pass (every tensor's
+  amax, optionally its saturated payload, in one launch; used by :mod:`ampscale.fp8._fused_cuda`).
 * :mod:`ampscale._native.cuda.nvrtc`: NVRTC loaded at run time, binaries cached on disk.
 * :mod:`ampscale._native.cuda.driver`: modules loaded and kernels launched through the CUDA driver
   (``libcuda.so.1``, found at run time) by a small C extension, :mod:`ampscale._native.cuda._driver`.
