@@ -1,5 +1,7 @@
 """ampscale: dynamic loss scaling for mixed-precision training, on NumPy, CuPy, JAX and PyTorch.
 
+Package layer: the public surface, re-exported from the layers below.
+
 It keeps float16 training from losing its small gradients: the loss is multiplied by a scale
 before the backward pass, the gradients are divided back and checked for inf and nan in one
 fused pass, a step that overflowed is skipped, and the scale grows or backs off as training
@@ -43,8 +45,9 @@ from ampscale._errors import (
     ScaleAtFloorWarning,
     StateDictError,
 )
+from ampscale._functional import all_finite, masked_add_, masked_copy_
 from ampscale._info import info
-from ampscale._scaler import Scaler, StepOutcome, all_finite, create_scaler, masked_add_, masked_copy_
+from ampscale._scaler import Scaler, StepOutcome, create_scaler
 from ampscale._state_dict import FORMAT_VERSION
 from ampscale._version import __version__
 from ampscale.backends import available_backends, get_backend

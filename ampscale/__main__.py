@@ -1,4 +1,7 @@
-"""Command line: ``python -m ampscale demo`` (the three-way fp16 demo) and ``python -m ampscale info``."""
+"""Command line: ``python -m ampscale demo`` (the three-way fp16 demo) and ``python -m ampscale info``.
+
+The top of the house (framework helpers' layer): it may use every layer below.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The state transition, traced once per configuration and emitted as Python or as C.
 
+Code generator layer: above the state machine it traces, below everything that runs it.
+
 :func:`ampscale._core.transition` is the one definition of the state machine. Run on symbolic
 values (:class:`_TraceOps`), it records the expression graph it builds for one configuration,
 with the configuration's static branches already taken. Two emitters turn that graph into code:

@@ -1,5 +1,7 @@
 """Scaler settings: the presets, the frozen :class:`ScalerConfig`, and its validation.
 
+Foundation layer: it imports nothing of ampscale but the errors.
+
 Every system ampscale reproduces is described by the same handful of orthogonal settings; a
 preset is only a row of defaults (see ``docs/presets.md`` for the table and the sources).
 
@@ -50,8 +52,11 @@ import math
 import numbers
 import re
 import struct
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Final, Literal, TypeAlias
+
+from ampscale._errors import AmpscaleWarning
 
 __all__ = [
     "PRESETS",
@@ -321,6 +326,15 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+#: the settings a torch (or apex) state dict holds, in numbers of its own
+TORCH_SETTINGS: Final = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+#: the settings of the reaction to a scale stuck at its floor: they do not shape the trajectory
+FLOOR_SETTINGS: Final = ("on_floor", "floor_patience")
+#: the settings that shape the scale's trajectory beside :data:`TORCH_SETTINGS` (the agreement
+#: across devices and the gradients' dtype shape no trajectory either)
+RULE_SETTINGS: Final = tuple(
+    name for name in _SETTINGS if name not in (*TORCH_SETTINGS, *FLOOR_SETTINGS, "axis_name", "grad_dtype")
+)
 #: settings that are real numbers (``None`` allowed where the setting says so), and integers
 REAL_SETTINGS: Final = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 INT_SETTINGS: Final = ("growth_interval", "hysteresis", "floor_patience", "interval_offset", "first_growth_delay")
@@ -634,6 +648,42 @@ def torch_growth_interval(value: Any, interval_offset: int) -> Any:
     if isinstance(plain, int) and not isinstance(plain, bool) and plain < 1 - interval_offset:
         return NEVER_GROWS
     return plain
+
+
+def torch_setting(name: str, value: Any, interval_offset: int) -> Any:
+    """The value ampscale's config stores for a setting given in torch's terms (an argument or
+    attribute of the drop-in ``GradScaler``): ``growth_interval`` as :func:`torch_growth_interval`
+    says, with an ``AmpscaleWarning`` where that means the scale never grows; the others as given.
+    """
+    if name != "growth_interval":
+        return value
+    stored = torch_growth_interval(value, interval_offset)
+    if stored == NEVER_GROWS and stored != value:
+        warnings.warn(
+            f"growth_interval={shown(value)}: the scale never grows (the good-step counter never equals it)",
+            AmpscaleWarning,
+            stacklevel=4,
+        )
+    return stored
+
+
+def as_float(value: Any) -> float:
+    """``float(value)``; an integer too large for a float is +-inf (which every range check refuses)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def given_number(value: Any, integral: bool) -> Any:
+    """A NumPy number given for a torch setting as a plain Python number (Python numbers and
+    anything else as given: ``16`` stays ``16``, as torch's getters return it)."""
+    if type(value) in (int, float):
+        return value
+    try:
+        return plain_number(value, integral)
+    except OverflowError:  # (refused by the validation first, on an enabled scaler)
+        return value
 
 
 class _Default:

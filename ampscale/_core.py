@@ -1,5 +1,8 @@
 """The scaler state machine: one pure transition, written once for every backend.
 
+State machine layer: it imports only the foundation, and declares the small ``Ops`` interface it
+runs on.
+
 The state is a :class:`ScalerState` of 0-d values (arrays on the device of the gradients, or
 host scalars for host-resident backends). :func:`transition` maps ``(config, state, finite,
 loss_finite)`` to the next state with array-API operations only (``where``, ``maximum``,

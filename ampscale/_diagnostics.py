@@ -1,5 +1,7 @@
 """Diagnostics that cost nothing on good steps: an overflow report, counters, a doctor.
 
+Diagnostics layer: above the scaler, whose counters it reads.
+
 Nothing here runs unless called, and each function is a host read by design:
 
 * :func:`diagnose` names the leaves that hold inf or nan (and says whether the scaled loss
@@ -15,7 +17,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ampscale.backends import backend_of_leaves, get_backend
+from ampscale.backends import flatten_tree, get_backend
 from ampscale.backends._base import name_leaves
 
 if TYPE_CHECKING:
@@ -87,13 +89,7 @@ def diagnose(grads: Any, loss: Any = None, *, backend: Any = None) -> OverflowRe
         1 of 2 leaves hold non-finite values:
           ['w'] (float64[2]): 1 nan
     """
-    if backend is not None:
-        resolved = get_backend(backend)
-    else:
-        from ampscale._scaler import _probe_leaves
-
-        resolved = backend_of_leaves(_probe_leaves(grads), "gradients") or get_backend("numpy")
-    leaves, spec = resolved.flatten(grads)
+    resolved, leaves, spec = flatten_tree(grads, None if backend is None else get_backend(backend))
     try:
         resolved.validate(leaves, spec)
         counts = resolved.count_nonfinite(leaves)

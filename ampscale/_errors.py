@@ -1,4 +1,7 @@
-"""Exceptions and warnings raised by ampscale."""
+"""Exceptions and warnings raised by ampscale.
+
+Foundation layer: it imports nothing of ampscale.
+"""
 
 from __future__ import annotations
 

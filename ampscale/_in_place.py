@@ -1,5 +1,7 @@
 """``Scaler.step``'s checks of ``update_fn``: no update written in place reaches the parameters.
 
+Scaler layer; the arrays are watched through the adapter protocol.
+
 On a device (CuPy, torch on a GPU, array-API namespaces) ``step`` calls ``update_fn`` before the
 overflow flag is known and keeps the old arrays, leaf by leaf, where the step overflowed; an
 ``update_fn`` that writes into the arrays it was given would already have written the
@@ -30,7 +32,7 @@ import functools
 import types
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from ampscale._errors import InPlaceUpdateError, PerformanceWarning
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
     from ampscale.backends._base import Backend
 
-__all__ = ["checked_update", "check_before_the_step"]
+__all__ = ["Watch", "check_before_the_step", "checked_update", "watch"]
 
 
 class _Identity(NamedTuple):
@@ -117,33 +119,61 @@ def _remember(backend: Backend, identity: _Identity | None) -> None:
     _CHECKED[key] = (identity.cells, owner_ref)
 
 
-def _named_leaves(backend: Backend, params: Any, opt_state: Any) -> list[tuple[str, Any]]:
-    """The arrays ``update_fn`` must not write: every leaf of ``params`` and ``opt_state`` the
-    backend owns, with a readable path (``params[0]``, ``opt_state['m'][1]``)."""
-    named: list[tuple[str, Any]] = []
-    for prefix, tree in (("params", params), ("opt_state", opt_state)):
-        leaves, spec = backend.flatten(tree)
+#: ``(arrays, flat)`` of :func:`watch`: the arrays ``update_fn`` must not write, and ``params``
+#: and ``opt_state`` as the backend flattened them (``((leaves, spec), (leaves, spec))``)
+Watch: TypeAlias = "tuple[list[Any], tuple[tuple[list[Any], Any], tuple[list[Any], Any]]]"
+
+
+def watch(backend: Backend, params: Any, opt_state: Any) -> Watch:
+    """The arrays ``update_fn`` must not write, every leaf of ``params`` and ``opt_state`` the
+    backend owns, with the two trees flattened (once: ``Scaler.step`` hands them on to its select).
+    Their names are made only for an error (:func:`_names`)."""
+    flat = (backend.flatten(params), backend.flatten(opt_state))
+    owns = backend.owns
+    return [leaf for leaves, _ in flat for leaf in leaves if owns(leaf)], flat
+
+
+def _names(backend: Backend, flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]]) -> list[str]:
+    """A readable path for each watched array, in :func:`watch`'s order (``params[0]``,
+    ``opt_state['m'][1]``)."""
+    names: list[str] = []
+    for prefix, (leaves, spec) in zip(("params", "opt_state"), flat, strict=True):
         paths = backend.leaf_paths(spec) if leaves else []
-        named += [(prefix + ("" if path == "<root>" else path), leaf) for path, leaf in zip(paths, leaves, strict=True)]
-    return [(name, leaf) for name, leaf in named if backend.owns(leaf)]
+        names += [
+            prefix + ("" if path == "<root>" else path)
+            for path, leaf in zip(paths, leaves, strict=True)
+            if backend.owns(leaf)
+        ]
+    return names
 
 
 def check_before_the_step(
-    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, grads: Any, opt_state: Any
-) -> None:
+    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    backend: Backend,
+    params: Any,
+    grads: Any,
+    opt_state: Any,
+    flat_grads: tuple[list[Any], Any] | None = None,
+) -> Watch | None:
     """Run ``update_fn`` once on copies the first time it is seen, and refuse it
     (:class:`InPlaceUpdateError`) if it writes into the copies of ``params`` or ``opt_state``
     (or, where writes cannot be seen, returns them). Nothing real is read or written but the
-    arrays' values, copied."""
+    arrays' values, copied. ``flat_grads``: ``grads`` as the caller flattened it already.
+
+    Returns the :func:`watch` of ``params`` and ``opt_state`` it made, for the real call
+    (``None`` where ``update_fn`` is known and nothing was run): each tree is flattened once.
+    """
     identity = _identity(update_fn)
     if identity is not None and _known(backend, identity):
         if _RECHECKS:
             _RECHECKS.pop(identity.code, None)
-        return
+        return None
+    watched = watch(backend, params, opt_state)
+    arrays, flat = watched
     copies: dict[int, Any] = {}
 
-    def copied(tree: Any) -> Any:
-        leaves, spec = backend.flatten(tree)
+    def copied(flat: tuple[list[Any], Any]) -> Any:
+        leaves, spec = flat
         out = []
         for leaf in leaves:
             if backend.owns(leaf):
@@ -155,15 +185,15 @@ def check_before_the_step(
                 out.append(leaf)
         return backend.unflatten(spec, out)
 
-    named = _named_leaves(backend, params, opt_state)
-    params_copy, opt_state_copy, grads_copy = copied(params), copied(opt_state), copied(grads)
-    watched = [copies[id(leaf)] for _, leaf in named]
-    with backend.guard_writes(watched) as guard:
+    params_copy, opt_state_copy = copied(flat[0]), copied(flat[1])
+    grads_copy = copied(backend.flatten(grads) if flat_grads is None else flat_grads)
+    guarded = [copies[id(leaf)] for leaf in arrays]
+    with backend.guard_writes(guarded) as guard:
         try:
             out = update_fn(params_copy, grads_copy, opt_state_copy)
         except Exception as exc:
             if guard.refused(exc):
-                raise InPlaceUpdateError(_message(backend, "wrote into one of", named, [], before=True)) from exc
+                raise InPlaceUpdateError(_message(backend, "wrote into one of", flat, [], before=True)) from exc
             add_note = getattr(exc, "add_note", None)
             if add_note is not None:
                 add_note(
@@ -174,14 +204,15 @@ def check_before_the_step(
             raise
     written = guard.written()
     if written is None:  # the backend cannot see writes: compare the copies with the originals
-        written = [i for i, (_, leaf) in enumerate(named) if not backend.same_bits(leaf, watched[i])]
+        written = [i for i, leaf in enumerate(arrays) if not backend.same_bits(leaf, guarded[i])]
     if written:
-        raise InPlaceUpdateError(_message(backend, "wrote into", named, written, before=True))
+        raise InPlaceUpdateError(_message(backend, "wrote into", flat, written, before=True))
     if not guard.exact:
-        returned = _returned(backend, out, watched)
+        returned = _returned(backend, out, guarded)
         if returned:
-            raise InPlaceUpdateError(_message(backend, "returned", named, returned, before=True))
+            raise InPlaceUpdateError(_message(backend, "returned", flat, returned, before=True))
     _remember(backend, identity)
+    return watched
 
 
 def _returned(backend: Backend, out: Any, watched: list[Any]) -> list[int]:
@@ -195,39 +226,48 @@ def _returned(backend: Backend, out: Any, watched: list[Any]) -> list[int]:
 
 
 def checked_update(
-    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]], backend: Backend, params: Any, opt_state: Any
+    update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
+    backend: Backend,
+    params: Any,
+    opt_state: Any,
+    watched: Watch | None = None,
 ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
     """``update_fn``, refusing (:class:`InPlaceUpdateError`) a call that writes into ``params``
     or ``opt_state``, or, where the backend cannot see writes, returns them: the watch on every
-    real call, after :func:`check_before_the_step`."""
-    named = _named_leaves(backend, params, opt_state)
-    watched = [leaf for _, leaf in named]
+    real call, after :func:`check_before_the_step`. ``watched``: :func:`watch`'s result where
+    the caller has it."""
+    guarded, flat = watch(backend, params, opt_state) if watched is None else watched
 
     def run(p: Any, g: Any, s: Any) -> tuple[Any, Any]:
-        with backend.guard_writes(watched) as guard:
+        with backend.guard_writes(guarded) as guard:
             try:
                 out = update_fn(p, g, s)
             except Exception as exc:
                 if guard.refused(exc):
-                    raise InPlaceUpdateError(_message(backend, "wrote into one of", named, [])) from exc
+                    raise InPlaceUpdateError(_message(backend, "wrote into one of", flat, [])) from exc
                 raise
         written = guard.written()
         if written:
-            raise InPlaceUpdateError(_message(backend, "wrote into", named, written))
-        if written is None and watched:
-            returned = _returned(backend, out, watched)
+            raise InPlaceUpdateError(_message(backend, "wrote into", flat, written))
+        if written is None and guarded:
+            returned = _returned(backend, out, guarded)
             if returned:
-                raise InPlaceUpdateError(_message(backend, "returned", named, returned))
+                raise InPlaceUpdateError(_message(backend, "returned", flat, returned))
         return out  # type: ignore[no-any-return]
 
     return run
 
 
 def _message(
-    backend: Backend, what: str, named: list[tuple[str, Any]], indices: list[int], before: bool = False
+    backend: Backend,
+    what: str,
+    flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]],
+    indices: list[int],
+    before: bool = False,
 ) -> str:
-    shown = [named[i][0] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
-    which = ", ".join(shown) if shown else f"its arrays ({', '.join(n for n, _ in named[:4])}, ...)"
+    names = _names(backend, flat)
+    shown = [names[i] for i in indices[:4]] + (["..."] if len(indices) > 4 else [])
+    which = ", ".join(shown) if shown else f"its arrays ({', '.join(names[:4])}, ...)"
     if what == "returned":
         head = (
             f"update_fn returned {which}, the arrays it was given: on the {backend.name} backend ampscale "

@@ -1,5 +1,7 @@
 """What this installation can run: :func:`info`, and its text form for ``python -m ampscale info``.
 
+Package layer.
+
 A framework that imports is not yet a backend that works: CuPy installs without a GPU or with
 a driver older than its CUDA runtime, and fails only at the first kernel. So each backend is
 reported as *installed* (its package imports), *usable* (a small computation ran on one of its

@@ -1,5 +1,8 @@
 """The few operations the state machine needs, for host scalars and for array namespaces.
 
+Host operations and checkpoints layer: above the code generator, whose transition ``HostOps``
+runs.
+
 :func:`ampscale._core.transition` is written once against this small interface. ``HostOps``
 runs it on Python scalars, for backends whose state lives in host memory (NumPy, PyTorch on
 CPU): a handful of Python operations instead of dozens of tiny array kernels. ``ArrayOps``
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
 
     from ampscale._config import ScalerConfig
 
-__all__ = ["ArrayOps", "HostOps", "PlainNamespace"]
+__all__ = ["ArrayOps", "HostOps", "PlainNamespace", "host_ops"]
 
 
 class HostOps:
@@ -163,6 +166,15 @@ class HostOps:
         if candidate < c.min_value:  # 0 included: the floor is positive
             candidate = c.min_value
         return self.scale_type(candidate)
+
+
+def host_ops(config: ScalerConfig) -> HostOps:
+    """The :class:`HostOps` of ``config``, made once and kept on it (compiling the transition
+    costs far more than a step; every host backend and the drop-ins share one)."""
+    ops = config._cache.get("host")
+    if ops is None:
+        ops = config._cache["host"] = HostOps(config)
+    return ops  # type: ignore[no-any-return]
 
 
 class ArrayOps:

@@ -1,5 +1,9 @@
 """The immutable :class:`Scaler` and :func:`create_scaler`: the three patent interfaces.
 
+Scaler layer: the public calls over config and state. Trees go down through the backend
+registry, which flattens each once (:func:`ampscale.backends.flatten_tree`), and the adapters do
+the work.
+
 * creation: :func:`create_scaler` builds a scaler from construction parameters;
 * scale: :meth:`Scaler.scale` multiplies the loss; :meth:`Scaler.unscale` (given the scaled loss)
   counts a scaled loss that overflowed as an overflow of the step;
@@ -11,25 +15,25 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config, shown
+from ampscale import _tree
+from ampscale._after_import import when_imported
+from ampscale._config import _SCALER_SETTING, _UNSET, FloorEvent, ScalerConfig, _Default, make_config
 from ampscale._core import REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, ScaleAtFloorError, ScaleAtFloorWarning
-from ampscale._in_place import check_before_the_step, checked_update
-from ampscale.backends import backend_of, backend_of_leaves, get_backend
-from ampscale.backends._base import name_leaves, when_adapter_ready
+from ampscale._in_place import check_before_the_step, checked_update, watch
+from ampscale._ops import host_ops
+from ampscale.backends import _base, backend_of, backend_of_leaves, flatten_tree, get_backend, probe_leaves
+from ampscale.backends._base import WIDE_DTYPES, check_flag, check_loss, name_leaves, when_adapter_ready
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ampscale.backends._base import Backend
 
-__all__ = ["Scaler", "StepOutcome", "all_finite", "create_scaler", "masked_add_", "masked_copy_"]
+__all__ = ["Scaler", "StepOutcome", "create_scaler"]
 
 #: ScaleAtFloorErrors raised inside traced (jitted) steps, newest last (see ampscale.jax.floor_errors)
 TRACED_FLOOR_ERRORS: collections.deque[ScaleAtFloorError] = collections.deque(maxlen=64)
@@ -210,13 +214,8 @@ class Scaler:
         """The bound after one more update whose outcome the host does not know: one backoff."""
         if floor is None or not self._config.dynamic:
             return floor
-        from ampscale._ops import HostOps
-
-        ops = self._config._cache.get("host")
-        if ops is None:
-            ops = self._config._cache["host"] = HostOps(self._config)
         # shrink() is monotone and never above its argument, and growth never lowers the scale
-        return float(ops.shrink(floor))
+        return float(host_ops(self._config).shrink(floor))
 
     # -- the scale interface ------------------------------------------------------------
     def scale(self, loss: Any) -> Any:
@@ -227,7 +226,7 @@ class Scaler:
         is returned unchanged. Pass the result to :meth:`unscale` as ``loss=`` (or to
         :meth:`step`) so that a scaled loss that overflowed counts as an overflow of the step.
         """
-        _check_loss_is_array(loss)
+        check_loss(loss)
         if not self._config.scales:
             return loss
         backend = self._backend_for((loss,), "loss")
@@ -265,33 +264,47 @@ class Scaler:
             return grads, finite, fraction
         return grads, finite
 
-    def _unscale(self, grads: Any, loss: Any, axis_name: Any, underflow: bool = False) -> tuple[Any, Any, Any, Backend]:
-        """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss."""
+    def _unscale(
+        self,
+        grads: Any,
+        loss: Any,
+        axis_name: Any,
+        underflow: bool = False,
+        *,
+        flat: tuple[Backend, list[Any], Any] | None = None,
+    ) -> tuple[Any, Any, Any, Backend]:
+        """``(tree, finite, loss_finite, backend)``: ``finite`` covers the gradients and the loss.
+
+        ``flat``: what :func:`~ampscale.backends.flatten_tree` returned for ``grads``, where the
+        caller has it; otherwise the tree is flattened here (by the scaler's backend, once known).
+        """
         config = self._config
-        backend = self._backend
-        if backend is None:
-            probe = _probe_leaves(grads)
-            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
-        leaves, spec = backend.flatten(grads)
+        if flat is not None:
+            backend, leaves, spec = flat
+        elif self._backend is not None:
+            backend = self._backend
+            leaves, spec = backend.flatten(grads)  # (flatten_tree's own first line, one call less)
+        else:
+            backend, leaves, spec = flatten_tree(grads, also=loss)
         try:
             dtypes = backend.validate(leaves, spec)
             if not leaves:
-                if _holds_none(grads):
+                if _tree.holds_none(grads):
                     warnings.warn(
                         "every gradient in the tree is None (no array at all): was backward() not called, or "
                         "were the gradients cleared before unscale? The step counts as finite and updates nothing",
                         AmpscaleWarning,
                         stacklevel=3,
                     )
-            elif not _HALF_KEPT_WARNED and dtypes is not None and not dtypes <= _WIDE_DTYPES:
-                _warn_if_half_kept(config, backend, dtypes)
+            elif not _base._HALF_KEPT_WARNED and dtypes is not None and not dtypes <= WIDE_DTYPES:
+                backend.warn_if_half_kept(config, dtypes)
             if loss is not None:
-                _check_loss_is_array(loss)
+                check_loss(loss)
                 backend.validate((loss,), None, "loss")
             like = leaves[0] if leaves else loss
             state = self._state_on(backend, like)
             group = config.axis_name if isinstance(axis_name, _Default) else axis_name
-            if group is None and not underflow and leaves:
+            if group is None and not underflow and leaves and backend.packed_state:
                 # CUDA: check, unscale and the state transition in one launch (or two on torch)
                 fused = backend.fused_unscale(config, state, leaves, loss, self._floor_hint())
                 if fused is not None:
@@ -347,7 +360,7 @@ class Scaler:
         backend = self._backend
         if backend is None:
             backend = backend_of(finite) or get_backend("numpy")
-        _check_flag(finite, "finite")
+        check_flag(finite, "finite")
         flags = self._flags
         if flags is not None and finite is flags[1]:
             raise ValueError(
@@ -357,7 +370,7 @@ class Scaler:
                 "once with its flag; this scaler is unchanged"
             )
         if loss_finite is not None:
-            _check_flag(loss_finite, "loss_finite")
+            check_flag(loss_finite, "loss_finite")
         return self._update(backend, finite, loss_finite)
 
     def _update(self, backend: Backend, finite: Any, loss_finite: Any) -> Scaler:
@@ -486,28 +499,35 @@ class Scaler:
         """
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be True or False; got {in_place!r}")
+        # every tree is flattened once: the gradients here, params and opt_state when first needed
         backend = self._backend
         if backend is None:
-            probe = _probe_leaves(grads)
-            backend = self._backend_for(probe if loss is None else [*probe, loss], "gradients")
+            backend, leaves, spec = flatten_tree(grads, also=loss)
+        else:
+            leaves, spec = backend.flatten(grads)  # (flatten_tree's own first line, one call less)
         if in_place and not backend.mutable_arrays:
             raise TypeError(
                 f"in_place=True writes into the parameters, which {backend.name} arrays do not allow: "
                 "use a functional update_fn (in_place=False)"
             )
+        watched = None
         if not in_place and backend.mutable_arrays:
             # a new update_fn runs once on copies first: one written in place is refused before
             # anything changes (its first real call, on a device, would write an overflowed step)
-            check_before_the_step(update_fn, backend, params, grads, opt_state)
-        grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name)
+            watched = check_before_the_step(update_fn, backend, params, grads, opt_state, (leaves, spec))
+        grads, finite, loss_finite, backend = self._unscale(grads, loss, axis_name, flat=(backend, leaves, spec))
         try:
             if in_place:
                 new_params, new_opt_state = backend.apply_in_place(finite, update_fn, params, grads, opt_state)
+            elif not backend.mutable_arrays:  # JAX arrays cannot be written: nothing to watch
+                new_params, new_opt_state = backend.apply_if(finite, update_fn, params, grads, opt_state)
             else:
-                checked = update_fn
-                if backend.mutable_arrays:  # JAX arrays cannot be written: nothing to check
-                    checked = checked_update(update_fn, backend, params, opt_state)
-                new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state)
+                # params and opt_state flattened once (after the unscale: torch's validation of
+                # the gradients reuses what their flatten learnt), for the watch and the select
+                if watched is None:
+                    watched = watch(backend, params, opt_state)
+                checked = checked_update(update_fn, backend, params, opt_state, watched)
+                new_params, new_opt_state = backend.apply_if(finite, checked, params, grads, opt_state, flat=watched[1])
         except Exception as exc:
             _note_unscaled(exc, backend)
             raise
@@ -611,6 +631,10 @@ class Scaler:
         return Scaler(config, backend.make_state(values, config, like), backend, float(values.scale))
 
 
+#: ``ampscale.fp8._combined`` finds a tree's backend with this name (``flatten_tree`` does it
+#: with one flatten: the way to go there too)
+_probe_leaves = probe_leaves
+
 #: sets the ``_flags`` slot directly (the slot's own setter: cheaper than object.__setattr__)
 _set_flags: Callable[[Any, Any], None] = Scaler.__dict__["_flags"].__set__
 
@@ -636,106 +660,6 @@ def _note_unscaled(exc: BaseException, backend: Backend) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(note)
-
-
-def _holds_none(tree: Any) -> bool:
-    """Whether a tree with no array leaf holds a ``None`` (a gradient never computed)."""
-    if tree is None:
-        return True
-    if isinstance(tree, dict):
-        return any(_holds_none(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(_holds_none(item) for item in tree)
-    return False
-
-
-#: whether the float16-kept warning was shown in this process
-_HALF_KEPT_WARNED = False
-#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
-#: tree of only these skips the float16 check with one set comparison
-_WIDE_DTYPES: set[Any] = set()
-
-
-def _warn_if_half_kept(config: ScalerConfig, backend: Backend, dtypes: set[Any]) -> None:
-    """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
-
-    torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
-    returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses bits.
-    """
-    for dtype in dtypes:
-        if dtype in _WIDE_DTYPES:
-            continue
-        name = _dtype_name(dtype)
-        if name != "float16" and not name.startswith("float8"):
-            if len(_WIDE_DTYPES) < 64:
-                _WIDE_DTYPES.add(dtype)
-            continue
-        if config.grad_dtype == "keep" and config.scales:
-            global _HALF_KEPT_WARNED
-            _HALF_KEPT_WARNED = True
-            warnings.warn(
-                f"{name} gradients are unscaled in {name} on the {backend.name} backend "
-                "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is 0 "
-                "and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
-                "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
-                "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
-                "gradients (master weights). Shown once per process.",
-                AmpscaleWarning,
-                stacklevel=4,
-            )
-            return
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(getattr(dtype, "name", dtype)).replace("torch.", "")
-
-
-def _check_loss_is_array(loss: Any) -> None:
-    """A loss must be an array: a Python number cannot start a backward pass, so say what to pass."""
-    if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
-        raise TypeError(
-            f"loss must be an array of your framework (the value your backward pass starts from), "
-            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
-            "torch.tensor(loss) or jnp.float32(loss)"
-        )
-
-
-def _check_flag(flag: Any, name: str) -> None:
-    """A step flag must be a bool or a 0-d boolean array: reject anything else clearly."""
-    if isinstance(flag, bool):
-        return
-    dtype = getattr(flag, "dtype", None)
-    shape = getattr(flag, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
-    if tuple(shape) != ():
-        raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
-    kind = getattr(dtype, "kind", None)
-    name_of = str(getattr(dtype, "name", dtype))
-    if kind != "b" and "bool" not in name_of:
-        raise TypeError(f"{name} must be boolean; got dtype {name_of}")
-
-
-def _probe_leaves(tree: Any) -> list[Any]:
-    """The leaves of ``tree``, to detect its backend, the same whether or not JAX is imported.
-
-    Plain containers are flattened by ampscale itself (JAX would sort dict keys, and fail on
-    ``{1: a, "b": b}``); only an object that is no array of any backend is handed to JAX, if it
-    is imported, in case it is a registered pytree (a flax struct, an optax state, ...).
-    """
-    from ampscale import _tree
-
-    leaves = _tree.flatten(tree)[0]
-    jax = sys.modules.get("jax")
-    if jax is None or all(backend_of(leaf) is not None for leaf in leaves):
-        return leaves
-    out = []
-    for leaf in leaves:
-        if backend_of(leaf) is None:
-            out.extend(jax.tree_util.tree_leaves(leaf))
-        else:
-            out.append(leaf)
-    return out
 
 
 class _PendingScaler(Scaler):
@@ -868,162 +792,19 @@ def create_scaler(
     )
     resolved = None if backend is None else get_backend(backend)
     if resolved is None:
-        return Scaler(config)  # a pytree for JAX whenever JAX is imported (register_with_jax)
+        return Scaler(config)  # a pytree for JAX whenever JAX is imported (_register_with_jax)
     state = None if resolved.lazy_state else resolved.make_state(initial_values(config), config)
     return Scaler(config, state, resolved, config.initial_scale)
 
 
-def all_finite(tree: Any, *, backend: Any = None) -> Any:
-    """A 0-d bool array on the leaves' device: whether every element of every leaf is finite.
-
-    Exact (inf, -inf and nan anywhere are found; no finite value is ever flagged) and fused
-    like :meth:`Scaler.unscale`. An empty tree is finite.
-
-    Example:
-        >>> import numpy as np, ampscale
-        >>> bool(ampscale.all_finite({"w": np.ones(3), "b": np.array([1.0, np.inf])}))
-        False
-    """
-    if backend is not None:
-        resolved = get_backend(backend)
-    else:
-        resolved = backend_of_leaves(_probe_leaves(tree), "leaves") or get_backend("numpy")
-    leaves, spec = resolved.flatten(tree)
-    try:
-        resolved.validate(leaves, spec, "leaf")
-        if not leaves:
-            return resolved.as_bool(True)
-        return resolved.all_finite(leaves)
-    except Exception as exc:  # an error naming leaves by index: name them by path too
-        name_leaves(exc, lambda: resolved.leaf_paths(spec))
-        raise
-
-
-def masked_add_(finite: Any, targets: Any, updates: Any, *, alpha: float = 1.0) -> Any:
-    """``t += alpha * u`` in place for every pair of leaves, only where the 0-d flag ``finite``
-    is true: the flag-aware in-place update (as torch's fused optimizers take ``found_inf``).
-
-    Where ``finite`` is false every target keeps its bits, whatever ``updates`` hold (inf, nan).
-    On a device (CuPy, torch on a GPU) it selects on the device: no host sync; on host backends
-    an overflow costs nothing. With ``alpha=-lr`` this is SGD's ``p -= lr * g``, bit for bit.
-    Use it inside an ``update_fn`` given to ``Scaler.step(..., in_place=True)``, or with the flag
-    from :meth:`Scaler.unscale`.
-
-    Args:
-        finite: the step's 0-d bool flag (an array of the targets' framework, or a bool).
-        targets: a tree of writable floating arrays, changed in place.
-        updates: a tree of the same structure, with arrays of the same shapes.
-        alpha: the factor of the updates (a real number).
-
-    Returns:
-        ``targets``.
-
-    Raises:
-        TypeError, ValueError: mismatched trees, shapes or frameworks, read-only targets, a flag
-            that is not 0-d bool, or JAX arrays (immutable); nothing is changed.
-
-    Example:
-        >>> import numpy as np, ampscale
-        >>> params, grads = [np.ones(3, np.float32)], [np.full(3, 2.0, np.float32)]
-        >>> ampscale.masked_add_(np.bool_(True), params, grads, alpha=-0.5)[0]
-        array([0., 0., 0.], dtype=float32)
-        >>> ampscale.masked_add_(np.bool_(False), params, [np.full(3, np.inf, np.float32)])[0]
-        array([0., 0., 0.], dtype=float32)
-    """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a real number; got {type(alpha).__name__} {shown(alpha)}")
-    try:
-        factor = float(alpha)
-    except OverflowError:
-        raise ValueError(f"alpha must be a real number within the float range; got {shown(alpha)}") from None
-    backend, target_leaves, update_leaves = _masked_arguments(finite, targets, updates, "updates")
-    backend.masked_add_(finite, target_leaves, update_leaves, factor)
-    return targets
-
-
-def masked_copy_(finite: Any, targets: Any, values: Any) -> Any:
-    """``t[...] = v`` in place for every pair of leaves, only where the 0-d flag ``finite`` is
-    true (see :func:`masked_add_`): for optimizer state such as momentum, computed out of place
-    and written back where the step is applied.
-
-    Returns:
-        ``targets``.
-
-    Raises:
-        TypeError, ValueError: as :func:`masked_add_`; nothing is changed.
-    """
-    backend, target_leaves, value_leaves = _masked_arguments(finite, targets, values, "values")
-    backend.masked_copy_(finite, target_leaves, value_leaves)
-    return targets
-
-
-def _masked_arguments(finite: Any, targets: Any, others: Any, name: str) -> tuple[Backend, list[Any], list[Any]]:
-    """Validate a masked update's arguments before anything changes."""
-    _check_flag(finite, "finite")
-    probe = _probe_leaves(targets)
-    backend = backend_of_leaves(probe, "targets") or get_backend("numpy")
-    target_leaves, spec = backend.flatten(targets)
-    other_leaves, other_spec = backend.flatten(others)
-    backend.validate(target_leaves, spec, "target")
-    backend.validate(other_leaves, other_spec, name[:-1])
-    if len(target_leaves) != len(other_leaves):
-        raise ValueError(f"targets has {len(target_leaves)} leaves but {name} has {len(other_leaves)}; they must match")
-    paths = backend.leaf_paths(spec) if target_leaves else []
-    for path, target, other in zip(paths, target_leaves, other_leaves, strict=True):
-        if tuple(target.shape) != tuple(other.shape):
-            raise ValueError(
-                f"target {path} has shape {tuple(target.shape)} but its {name[:-1]} has shape {tuple(other.shape)}"
-            )
-        flags = getattr(target, "flags", None)
-        if flags is not None and getattr(flags, "writeable", True) is False:
-            raise ValueError(f"target {path} is read-only; masked updates write into their targets")
-    return backend, target_leaves, other_leaves
-
-
-def register_with_jax() -> None:
-    """Make :class:`Scaler` a JAX pytree as soon as JAX is imported, before or after ampscale.
-
-    A scaler created before ``import jax`` can then be passed to ``jax.jit`` all the same. JAX
-    is never imported here: if it is not imported yet, a one-shot import hook registers the
-    pytree right after ``import jax`` completes.
-    """
-    if "jax" in sys.modules:
-        _register_now()
-        return
-    if not any(isinstance(finder, _JaxImportHook) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _JaxImportHook())
-
-
-def _register_now() -> None:
+def _register_with_jax(jax: Any) -> None:
+    """Make :class:`Scaler` a JAX pytree (called as soon as JAX is imported, before or after
+    ampscale), so that a scaler created before ``import jax`` passes through ``jax.jit``."""
     try:
         get_backend("jax")  # the adapter registers the Scaler classes with jax.tree_util
     except Exception:  # a JAX the adapter cannot use: its first use will say why
         return
 
 
-class _JaxImportHook(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register_now` once, right after the module ``jax`` has been executed."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "jax":
-            return None
-        try:
-            sys.meta_path.remove(self)  # one shot, and find the real spec with the other finders
-        except ValueError:  # another thread's import of jax got here first
-            return None
-        spec = importlib.util.find_spec("jax")
-        loader = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            _register_now()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 when_adapter_ready(lambda backend: backend.adopt_scaler(Scaler, _PendingScaler))
-register_with_jax()
+when_imported("jax", _register_with_jax)

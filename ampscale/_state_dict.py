@@ -1,5 +1,7 @@
 """The checkpoint format: plain, JSON-serialisable, versioned, portable across backends.
 
+Host operations and checkpoints layer.
+
 A dict from :meth:`ampscale.Scaler.state_dict` holds ``torch.amp.GradScaler``'s five keys at
 the top level, so ``torch.amp.GradScaler.load_state_dict`` accepts it, plus everything else
 under ``"ampscale"``::
@@ -44,7 +46,10 @@ from typing import Any, Final
 
 from ampscale._config import (
     _SETTINGS,
+    FLOOR_SETTINGS,
     PRESETS,
+    RULE_SETTINGS,
+    TORCH_SETTINGS,
     ScalerConfig,
     _round_to,
     make_config,
@@ -55,7 +60,7 @@ from ampscale._config import (
 from ampscale._core import INT_FIELDS, REASONS, ScalerState, initial_values
 from ampscale._errors import AmpscaleWarning, StateDictError
 
-__all__ = ["FORMAT_VERSION", "check_scale", "from_state_dict", "to_state_dict"]
+__all__ = ["FORMAT_VERSION", "check_scale", "from_state_dict", "to_state_dict", "torch_compatible"]
 
 #: Version of the format written by this ampscale. Loading accepts this version and older ones.
 FORMAT_VERSION: Final = 1
@@ -64,21 +69,6 @@ _TORCH_KEYS: Final = ("scale", "growth_factor", "backoff_factor", "growth_interv
 _APEX_KEYS: Final = ("loss_scale", "unskipped")
 _APEX_ENTRY: Final = re.compile(r"loss_scaler\d+")
 _INT32 = (-(2**31), 2**31 - 1)
-#: the settings that shape the scale's trajectory, beside the ones a torch or apex dict holds
-_RULES: Final = (
-    "mode",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-    "hysteresis_mode",
-    "counter_rule",
-    "interval_offset",
-    "first_growth_delay",
-    "backoff_rule",
-    "ceiling",
-    "scale_dtype",
-    "factor_precision",
-)
 
 
 def to_state_dict(config: ScalerConfig, values: ScalerState) -> dict[str, Any]:
@@ -100,6 +90,20 @@ def to_state_dict(config: ScalerConfig, values: ScalerState) -> dict[str, Any]:
             "state": state,
         },
     }
+
+
+def torch_compatible(config: ScalerConfig) -> bool:
+    """Whether torch's five keys describe ``config`` completely (``state_dict`` then needs no
+    ``"ampscale"`` entry).
+
+    Compared with the torch preset's defaults setting by setting (no config is built, so this
+    holds for any config a scaler accepted, and writing a state dict cannot raise).
+    """
+    if config.preset != "torch":
+        return False
+    torch_defaults = PRESETS["torch"].defaults
+    held = (*TORCH_SETTINGS, *FLOOR_SETTINGS)  # in torch's keys, or no part of the trajectory
+    return all(value == torch_defaults[name] for name, value in config.settings().items() if name not in held)
 
 
 def _is_number(value: Any) -> bool:
@@ -190,7 +194,9 @@ def _warn_foreign_rules(system: str, preset: str, config: ScalerConfig, stacklev
     """Warn that a dict of ``system`` (torch, apex) goes on under rules that differ from its own."""
     theirs = PRESETS[preset].defaults
     ours = config.settings()
-    differ = [f"{name}={ours[name]!r} ({system}: {theirs[name]!r})" for name in _RULES if ours[name] != theirs[name]]
+    differ = [
+        f"{name}={ours[name]!r} ({system}: {theirs[name]!r})" for name in RULE_SETTINGS if ours[name] != theirs[name]
+    ]
     if not differ:
         return
     article = "an" if system[0].lower() in "aeiou" else "a"

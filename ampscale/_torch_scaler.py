@@ -1,5 +1,9 @@
 """The drop-in ``GradScaler`` (public as :class:`ampscale.torch.GradScaler`; see :mod:`ampscale.torch`).
 
+Framework helpers' layer: torch's protocol (call order, per-optimizer flags, ``state_dict``)
+over the scaler's settings and state machine; the kernels, the CPU views and the CUDA launch are
+the torch adapter's (:mod:`ampscale.backends.torch`, with ``_torch_cpu`` and ``_torch_cuda``).
+
 Kept below :mod:`ampscale.torch` so that the FSDP scaler (:mod:`ampscale._torch_sharded`), which
 subclasses it, and the public module, which offers both, import it from one place: the public
 module imports this one and the FSDP one, and neither of those imports the public module.
@@ -7,7 +11,6 @@ module imports this one and the FSDP one, and neither of those imports the publi
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import math
 import numbers
@@ -22,22 +25,23 @@ from torch.amp.grad_scaler import OptState
 
 from ampscale._config import (
     _UNSET,
-    NEVER_GROWS,
     PRESETS,
     ScalerConfig,
+    given_number,
     make_config,
     plain_number,
     shown,
-    torch_growth_interval,
+    torch_setting,
 )
 from ampscale._core import ScalerState, initial_values
-from ampscale._errors import AmpscaleWarning, StateDictError
-from ampscale._native.cuda._packed import FLAG_BAD_BOOL, FLAG_FALSE, FLAG_FOUND_INF, FLAG_TRUE, PackedState
-from ampscale._ops import HostOps
+from ampscale._errors import StateDictError
+from ampscale._native.cuda._packed import PackedState
+from ampscale._ops import HostOps, host_ops
 from ampscale._scaler import Scaler, _PendingScaler
-from ampscale._state_dict import check_scale, from_state_dict, to_state_dict
-from ampscale.backends import torch as _torch_backend
+from ampscale._state_dict import check_scale, from_state_dict, to_state_dict, torch_compatible
+from ampscale.backends import _torch_cuda
 from ampscale.backends._base import Backend, name_leaves
+from ampscale.backends._torch_cpu import _HostView
 from ampscale.backends.torch import BACKEND, UncoalescedSparseError
 
 __all__ = ["GradScaler", "OptState", "SettingError", "StepResult"]
@@ -125,63 +129,6 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return bool(tensor.is_cpu) and not _DEVICE_PATH_EVERYWHERE
 
 
-#: the C type of each dtype a host view reads and writes
-_HOST_VIEW_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double, torch.int32: ctypes.c_int32}
-
-
-class _HostView:
-    """A C view (``ctypes``) of a one-element CPU tensor's memory, kept while the tensor is the
-    same object at the same address.
-
-    Reading or writing ``_scale`` and ``_growth_tracker`` through its ``value`` costs a few tens
-    of nanoseconds, against one to two microseconds for ``item()`` and ``fill_()``: the drop-in
-    reads both and writes the tracker on every ``update()``. The tensor itself stays what torch
-    has (the same object, updated in place); only its version counter does not move. The view
-    holds the tensor, and :meth:`of` checks the tensor's address on every use, so a tensor given
-    new memory (``set_()``, ``resize_()``) gets a new view before anything is read or written.
-    """
-
-    __slots__ = ("address", "tensor", "view")
-
-    def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
-        self.address = 0
-        self.view: Any = None
-
-    def of(self, tensor: torch.Tensor) -> Any:
-        """The view of ``tensor`` (``None`` if it has none: not a plain one-element CPU tensor)."""
-        address = tensor.data_ptr()
-        if tensor is not self.tensor or address != self.address:
-            self.tensor, self.address = tensor, address
-            kind = _HOST_VIEW_TYPES.get(tensor.dtype)
-            plain = (
-                kind is not None
-                and type(tensor) is torch.Tensor
-                and tensor.is_cpu
-                and tensor.numel() == 1
-                and not tensor.requires_grad
-                and not tensor.is_neg()
-                and address != 0
-            )
-            self.view = kind.from_address(address) if plain and kind is not None else None
-        return self.view
-
-    def read(self, tensor: torch.Tensor) -> Any:
-        view = self.of(tensor)
-        return tensor.item() if view is None else view.value
-
-
-def _plain(value: Any, integral: bool) -> Any:
-    """A NumPy number given for a torch setting as a plain Python number (Python numbers and
-    anything else as given: ``16`` stays ``16``, as torch's getters return it)."""
-    if type(value) in (int, float):
-        return value
-    try:
-        return plain_number(value, integral)
-    except OverflowError:  # (refused by the validation first, on an enabled scaler)
-        return value
-
-
 def _torch_setting(name: str) -> Any:
     """``_growth_factor`` and its kin: torch's attribute, kept as given, validated when written."""
     key = f"_given_{name}"
@@ -195,7 +142,7 @@ def _torch_setting(name: str) -> Any:
     def set(self: GradScaler, value: Any) -> None:
         if self._enabled:
             self._replace_setting(name, value)
-        self.__dict__[key] = _plain(value, name == "growth_interval")
+        self.__dict__[key] = given_number(value, name == "growth_interval")
 
     return property(get, set, doc=f"The {name.replace('_', ' ')} as given (torch's attribute).")
 
@@ -309,30 +256,11 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         self._scale_bound: tuple[torch.Tensor, int, float] | None = None
 
     # -- settings -------------------------------------------------------------------------------
-    @staticmethod
-    def _config_value(name: str, value: Any, interval_offset: int) -> Any:
-        """The value ampscale's config stores for a torch setting.
-
-        torch grows when its counter *equals* ``growth_interval``, so an interval below the
-        counter's first value means "never": the longest interval has the same trajectory
-        (:func:`ampscale._config.torch_growth_interval`, shared with torch's checkpoints).
-        """
-        if name != "growth_interval":
-            return value
-        stored = torch_growth_interval(value, interval_offset)
-        if stored == NEVER_GROWS and stored != value:
-            warnings.warn(
-                f"growth_interval={shown(value)}: the scale never grows (the good-step counter never equals it)",
-                AmpscaleWarning,
-                stacklevel=4,
-            )
-        return stored
-
     def _new_config(self, preset: str, given: dict[str, Any], settings: dict[str, Any]) -> ScalerConfig:
         default_offset = PRESETS[preset].defaults["interval_offset"] if preset in PRESETS else 0
         offset = plain_number(settings.get("interval_offset", default_offset), integral=True)
         offset = offset if isinstance(offset, int) and offset in (0, 1) else 0
-        values = {name: self._config_value(name, value, offset) for name, value in given.items()}
+        values = {name: torch_setting(name, value, offset) for name, value in given.items()}
         try:
             return make_config(preset, **values, **settings)
         except ValueError as exc:
@@ -340,7 +268,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
 
     def _replace_setting(self, name: str, value: Any) -> None:
         config = self._config
-        stored = self._config_value(name, value, config.interval_offset)
+        stored = torch_setting(name, value, config.interval_offset)
         try:
             new = config.replace(**{name: stored})
         except ValueError as exc:
@@ -356,7 +284,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         ``state_dict()`` is JSON-serialisable and loads with ``torch.load(weights_only=True)``.
         """
         for name, value in values.items():
-            self.__dict__[f"_given_{name}"] = _plain(value, name == "growth_interval")
+            self.__dict__[f"_given_{name}"] = given_number(value, name == "growth_interval")
 
     # torch's attributes: what was given, as torch keeps it; writing one (as torch's setters,
     # and code that skips them, do) validates it and changes the settings in use, once enabled
@@ -433,8 +361,8 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         one-launch update rewrites in place together with ``_scale`` and ``_growth_tracker``;
         elsewhere separate tensors that the eager transition replaces at each update (no record).
         """
-        if _torch_backend._cuda_module(config, like.device) is not None:  # CUDA, kernels loaded
-            record = _torch_backend._packed_from_values(values, config, like.device)
+        if _torch_cuda._cuda_module(config, like.device) is not None:  # CUDA, kernels loaded
+            record = _torch_cuda._packed_from_values(values, config, like.device)
             return tuple(record.view(name) for name in ScalerState._fields[2:]), record
         # the generic tensor state (the torch backend would keep CPU state as Python numbers)
         return tuple(Backend.make_state(BACKEND, values, config, like)[2:]), None
@@ -879,63 +807,18 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         return found_infs
 
     def _update_in_place(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState | bool | None:
-        """``update()`` on CUDA as one launch of ``ampscale_update_fields``: torch's flag (the
-        sum of several, if there are several) and the loss flag read on the device, ``_scale``,
-        ``_growth_tracker`` and the record of the other fields rewritten in place, no sync.
-        Returns ``False`` where it does not apply (the eager transition runs), else what
+        """``update()`` on CUDA as one launch (:func:`ampscale.backends._torch_cuda._update_fields`):
+        ``_scale``, ``_growth_tracker`` and the record of the other fields rewritten in place,
+        no sync. Returns ``False`` where it does not apply (the eager transition runs), else what
         :meth:`_update_on_device` returns."""
         record = getattr(self, "_record", None)  # (absent from pickles of older versions)
         rest = self._rest
-        config = self._config
         if record is None or not rest or rest[-1] is not record.view(ScalerState._fields[-1]):
             return False
-        device = scale.device
-        module = _torch_backend._cuda_module(config, device)
-        wide = torch.float64 if config.scale_dtype == "float64" else torch.float32
-        if (
-            module is None
-            or record.scale_dtype != config.scale_dtype
-            or scale.dtype is not wide
-            or tracker.dtype is not torch.int32
-            or tracker.device != device
-            or record.buffer.device != device
-        ):
+        config = self._config
+        loss_bad = None if self._loss_bad_on_host else list(self._loss_bad.values())
+        if not _torch_cuda._update_fields(config, scale, tracker, record, self._found_infs, loss_bad):
             return False
-        # the scale's host bound and the per-optimizer flags live in Python: a graph replay
-        # would not move them, so an update under stream capture raises
-        _torch_backend._refuse_capture("GradScaler.update()")
-        flags = self._found_infs()
-        found = flags[0]
-        if len(flags) > 1 or found.device != device or found.dtype is not torch.float32:
-            total = found.to(device=device, dtype=torch.float32, non_blocking=True)
-            for flag in flags[1:]:
-                total = total + flag.to(device=device, dtype=torch.float32, non_blocking=True)
-            found = total
-        if self._loss_bad_on_host:
-            loss_ptr, loss_kind = 0, FLAG_FALSE
-        elif not self._loss_bad:
-            loss_ptr, loss_kind = 0, FLAG_TRUE
-        else:
-            bad: torch.Tensor | None = None
-            for flag in self._loss_bad.values():
-                moved = flag.to(device, non_blocking=True)
-                bad = moved if bad is None else bad.logical_or(moved)
-            assert bad is not None
-            loss_ptr, loss_kind = bad.data_ptr(), FLAG_BAD_BOOL
-        module.launch(
-            module.update_fields,
-            module.context,
-            1,
-            1,
-            _torch_backend._raw_stream(device),
-            scale.data_ptr(),
-            tracker.data_ptr(),
-            record.ptr,
-            found.data_ptr(),
-            FLAG_FOUND_INF,
-            loss_ptr,
-            loss_kind,
-        )
         bound = getattr(self, "_scale_bound", None)
         if bound is not None and bound[0] is scale and bound[1] == scale._version:
             # the kernel wrote the scale without torch's version counter: the bound follows it
@@ -984,8 +867,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
         ops = self._host_ops
         config = self._config
         if ops is None or ops.config is not config:
-            ops = self._host_ops = config._cache.get("host") or HostOps(config)
-            config._cache["host"] = ops
+            ops = self._host_ops = host_ops(config)
         return ops
 
     def _lowest_after_update(self, scale: float) -> float:
@@ -1047,7 +929,7 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             "growth_interval": self._growth_interval,
             "_growth_tracker": self._get_growth_tracker(),
         }
-        if not _torch_compatible(self._config):
+        if not torch_compatible(self._config):
             out["ampscale"] = to_state_dict(self._config, self._host_values())["ampscale"]
         return out
 
@@ -1142,25 +1024,6 @@ class GradScaler(_TorchGradScaler):  # type: ignore[misc]
             f"growth_factor={self._growth_factor!r}, backoff_factor={self._backoff_factor!r}, "
             f"growth_interval={self._growth_interval!r})"
         )
-
-
-#: settings torch's five keys hold (or that do not shape the trajectory)
-_TORCH_HELD = frozenset(
-    {"init_scale", "growth_factor", "backoff_factor", "growth_interval", "on_floor", "floor_patience"}
-)
-
-
-def _torch_compatible(config: ScalerConfig) -> bool:
-    """Whether torch's five keys describe ``config`` completely.
-
-    Compared with the torch preset's defaults setting by setting (no config is built, so this
-    holds for any config the constructor accepted, and ``state_dict()`` cannot raise).
-    """
-    if config.preset != "torch":
-        return False
-    torch_defaults = PRESETS["torch"].defaults
-    ours = config.settings()
-    return all(value == torch_defaults[name] for name, value in ours.items() if name not in _TORCH_HELD)
 
 
 #: the drop-in's own _maybe_opt_step (step() inlines it unless a subclass overrides it)

@@ -1,5 +1,7 @@
 """``ampscale.torch.ShardedGradScaler``: a drop-in for FSDP's ``ShardedGradScaler``.
 
+Framework helpers' layer.
+
 Kept apart from :mod:`ampscale.torch` because its base class lives in
 ``torch.distributed.fsdp``, which takes about two seconds to import; ``ampscale.torch``
 loads this module the first time ``ShardedGradScaler`` is asked for. It builds on the drop-in

@@ -1,16 +1,22 @@
-"""Flatten and rebuild nested containers of arrays (lists, tuples, named tuples, dicts, None).
+"""Tree handling: flatten and rebuild nested containers of arrays (lists, tuples, named tuples,
+dicts, None), walk them, name their leaves. Foundation layer: imports nothing of ampscale.
 
-The JAX backend uses ``jax.tree_util`` instead, which also knows registered pytrees. Paths
-(``"['layer1']['w']"``) are only computed when something must be named, e.g. in an error or an
-overflow report, so flattening stays cheap on the hot path.
+Every adapter but JAX's flattens with :func:`flatten`; the JAX adapter uses ``jax.tree_util``,
+which also knows registered pytrees (the registry hands it objects that are no array of any
+backend, see :func:`ampscale.backends.flatten_tree`). Paths (``"['layer1']['w']"``) are only
+computed when something must be named, e.g. in an error or an overflow report, so flattening
+stays cheap on the hot path.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["TreeSpec", "flat_spec", "flatten", "leaf_paths", "unflatten"]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["TreeSpec", "flat_spec", "flatten", "holds_none", "iter_leaves", "leaf_paths", "unflatten"]
 
 _LEAF = 0
 _NONE = 1
@@ -48,6 +54,35 @@ def flatten(tree: Any) -> tuple[list[Any], Any]:
     leaves: list[Any] = []
     spec = _flatten(tree, leaves)
     return leaves, spec
+
+
+def iter_leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of ``tree`` one at a time, in :func:`flatten`'s order.
+
+    A walk that goes only as far as its caller reads: finding a tree's backend from its first
+    array costs the depth of the tree, not a flatten.
+    """
+    if tree is None:
+        return
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from iter_leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from iter_leaves(item)
+    else:
+        yield tree
+
+
+def holds_none(tree: Any) -> bool:
+    """Whether ``tree`` holds a ``None`` (for a tree without leaves: a gradient never computed)."""
+    if tree is None:
+        return True
+    if isinstance(tree, dict):
+        return any(holds_none(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(holds_none(item) for item in tree)
+    return False
 
 
 _flat_specs: dict[tuple[type, int], TreeSpec] = {}

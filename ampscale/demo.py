@@ -1,5 +1,7 @@
 """``python -m ampscale demo``: why loss scaling exists, shown by a real fp16 training run.
 
+Framework helpers' layer: a user of the public API.
+
 A two-layer MLP (32 -> 128 -> 512, tanh) learns to reproduce a teacher network of the same
 shape (so a perfect fit exists and fp32 keeps improving), with Adam and a mean-squared-error
 loss averaged over the batch and the 512 outputs. It is trained three ways:

@@ -1,5 +1,7 @@
 """``ampscale.torch``: drop-ins for ``torch.amp.GradScaler`` and FSDP's ``ShardedGradScaler``.
 
+Framework helpers' layer; the classes live in ``_torch_scaler`` and ``_torch_sharded``.
+
 :class:`GradScaler` is a subclass of ``torch.amp.GradScaler`` with the same constructor,
 methods, call-order errors, ``state_dict`` keys and private attributes (``_scale``,
 ``_growth_tracker``, ``_per_optimizer_states``, ``_unscale_grads_``, ...), each with torch's
@@ -44,7 +46,8 @@ try:
 except ModuleNotFoundError as exc:
     raise missing_framework(__name__, exc) from exc
 
-from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult, _fresh_state, _HostView
+from ampscale._torch_scaler import GradScaler, OptState, SettingError, StepResult, _fresh_state
+from ampscale.backends._torch_cpu import _HostView
 
 if TYPE_CHECKING:
     from ampscale._torch_sharded import ShardedGradScaler

@@ -222,6 +222,6 @@ def _float16_kept_warning_already_shown(monkeypatch: pytest.MonkeyPatch) -> None
     """The warning for float16 gradients unscaled in float16 is shown once per process, so which
     test would see it depends on the order; it counts as shown here, and the tests of it
     (``tests/test_trust_round3.py``) reset it."""
-    import ampscale._scaler
+    import ampscale.backends._base
 
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", True, raising=False)
+    monkeypatch.setattr(ampscale.backends._base, "_HALF_KEPT_WARNED", True, raising=False)

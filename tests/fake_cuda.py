@@ -197,20 +197,21 @@ def torch_on_host(monkeypatch: Any, packed_on_cpu: bool = True) -> Iterator[Torc
     (as on CUDA) rather than host numbers.
     """
     from ampscale import _torch_scaler
+    from ampscale.backends import _torch_cuda
     from ampscale.backends import torch as torch_backend
 
     fake = TorchCuda()
     Launches.log.clear()
-    monkeypatch.setattr(torch_backend, "_cuda_module", fake.module)
-    monkeypatch.setattr(torch_backend, "_current_raw_stream", lambda index: fake.stream)
-    monkeypatch.setattr(torch_backend, "_capturing", lambda: fake.capturing, raising=False)
+    monkeypatch.setattr(_torch_cuda, "_cuda_module", fake.module)
+    monkeypatch.setattr(_torch_cuda, "_current_raw_stream", lambda index: fake.stream)
+    monkeypatch.setattr(_torch_cuda, "_capturing", lambda: fake.capturing, raising=False)
     monkeypatch.setattr(
-        torch_backend,
+        _torch_cuda,
         "_record_stream",
         lambda tensor: fake.recorded.append((tensor.data_ptr(), fake.stream)),
         raising=False,
     )
-    monkeypatch.setattr(torch_backend, "_cuda_tables", {})
+    monkeypatch.setattr(_torch_cuda, "_cuda_tables", {})
     if packed_on_cpu:
         import torch
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 import ampscale  # noqa: E402
 from ampscale._native.cuda._packed import PackedState  # noqa: E402
 from ampscale._scaler import Scaler  # noqa: E402
+from ampscale.backends import _torch_cuda  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
 from tests.fake_cuda import HostModule, Launches, torch_on_host  # noqa: E402
 
@@ -40,7 +41,7 @@ def packed_scaler() -> Scaler:
     config = ampscale.create_scaler(preset="torch", growth_interval=3).config
     from ampscale._core import initial_values
 
-    state = torch_backend._packed_from_values(initial_values(config), config, torch.device("cpu"))
+    state = _torch_cuda._packed_from_values(initial_values(config), config, torch.device("cpu"))
     # the host bound of the scale, as create_scaler gives it: the scale itself
     return Scaler(config, state, torch_backend.BACKEND, config.initial_scale)
 

@@ -3,13 +3,16 @@
 Every module of the package belongs to one layer; a module imports only modules of its own layer
 or of the layers below it, and the imports form no circle. Every import counts: at the top of a
 module, inside a function (a lazy import), and under ``TYPE_CHECKING``. A new module must be
-placed in a layer here before it can land, so that the next circle fails this test, not a review.
+placed in a layer here before it can land, so that the next circle fails this test, not a review;
+and it must be named in its layer's row of the design page's drawing, so that the drawing cannot
+go stale without this test saying so.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -23,7 +26,14 @@ ROOT = PACKAGE.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundation",
-        ("ampscale._errors", "ampscale._config", "ampscale._tree", "ampscale._version", "ampscale.fp8._config"),
+        (
+            "ampscale._errors",
+            "ampscale._config",
+            "ampscale._tree",
+            "ampscale._after_import",
+            "ampscale._version",
+            "ampscale.fp8._config",
+        ),
     ),
     ("state machine", ("ampscale._core", "ampscale.fp8._transition")),
     ("code generator", ("ampscale._codegen",)),
@@ -50,6 +60,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale.backends.numpy",
             "ampscale.backends.torch",
+            "ampscale.backends._torch_cpu",
+            "ampscale.backends._torch_cuda",
+            "ampscale.backends._torch_overlap",
             "ampscale.backends.jax",
             "ampscale.backends._jax_custom_call",
             "ampscale.backends._jax_xla",
@@ -67,6 +80,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "ampscale._scaler",
             "ampscale._in_place",
+            "ampscale._functional",
             "ampscale.fp8._cuda",
             "ampscale.fp8._distributed",
             "ampscale.fp8._scaler",
@@ -82,6 +96,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "ampscale._torch_sharded",
             "ampscale.torch",
             "ampscale.jax",
+            "ampscale._jmp",
             "ampscale.fp8.torch",
             "ampscale.fp8.jax",
             "ampscale.demo",
@@ -184,6 +199,52 @@ def test_the_imports_form_no_circle() -> None:
         if module not in state:
             circle = visit(module)
             assert circle is None, "an import circle: " + " -> ".join(circle)
+
+
+# the design page sits beside the suite (the source tree, or the copy scripts/test_installed.py makes),
+# not beside the package, which may be an installed copy with no docs next to it
+DESIGN = pathlib.Path(__file__).resolve().parent.parent / "docs" / "design.md"
+
+
+def drawn_rows() -> dict[str, str]:
+    """The rows of the layers drawing in docs/design.md: layer name -> the text of its row.
+
+    The drawing is the ``text`` block of the section "The layers"; a row starts with the layer's
+    name one space in (where the name is too long for the column, its modules begin on the next
+    line) and goes on over the lines indented further.
+    """
+    section = DESIGN.read_text().split("## The layers", 1)[1].split("\n## ", 1)[0]
+    drawing = section.split("```text\n", 1)[1].split("```", 1)[0]
+    names = [name for name, _ in LAYERS]
+    rows: dict[str, str] = {}
+    current = None
+    for line in drawing.splitlines():
+        starts = [name for name in names if re.match(rf" {re.escape(name)}( {{2,}}|$)", line)]
+        if starts:
+            current = starts[0]
+            assert current not in rows, f"the layer {current!r} has two rows in docs/design.md"
+            rows[current] = line[len(current) + 1 :]
+        else:
+            if current is None or not line.startswith("  "):
+                raise AssertionError(f"a row of no layer in docs/design.md: {line!r}")
+            rows[current] += " " + line
+    return rows
+
+
+def drawn_path(module: str) -> str:
+    """How the drawing names a module: its file under ``ampscale/`` (``backends/torch.py``)."""
+    return MODULES[module].relative_to(PACKAGE).as_posix()
+
+
+def test_every_module_is_drawn_in_its_layers_row_of_the_design_page() -> None:
+    rows = drawn_rows()
+    assert list(rows) == [name for name, _ in reversed(LAYERS)], "the drawing's rows, top down, are the layers"
+    missing = [
+        f"{drawn_path(module)} ({LAYERS[layer_of(module)][0]})"
+        for module in sorted(MODULES)
+        if not re.search(rf"(?<![\w/.]){re.escape(drawn_path(module))}(?![\w/])", rows[LAYERS[layer_of(module)][0]])
+    ]
+    assert missing == [], "modules the layers drawing of docs/design.md leaves out of their row:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize(

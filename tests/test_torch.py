@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 import ampscale  # noqa: E402
 import ampscale.torch as amp_torch  # noqa: E402
 from ampscale import _torch_scaler  # noqa: E402
+from ampscale.backends import _torch_cpu  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
 
 
@@ -485,7 +486,7 @@ needs_two_threads = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the sp
 def torch_kernel_only(monkeypatch) -> None:
     """CPU tensors through torch's fused kernel (its thread split included), not ampscale's
     native kernel: the path taken where that one does not apply (tests/test_torch_native.py)."""
-    monkeypatch.setattr(torch_backend, "_native_enabled", [False])
+    monkeypatch.setattr(_torch_cpu, "_native_enabled", [False])
 
 
 def _many(dtype, seed: int = 0, count: int = 600) -> list:
@@ -511,7 +512,7 @@ def test_cpu_groups_split_across_threads_give_the_kernels_bits(torch_kernel_only
     grads = _many(dtype)
     if bad_at is not None:
         grads[bad_at][len(grads[bad_at]) // 2] = float("nan") if bad_at % 2 else float("inf")
-    assert torch_backend._split_ways(grads, dtype) == 2
+    assert _torch_cpu._split_ways(grads, dtype) == 2
     expected, found = _one_kernel_call(grads, 1 / 1024)
     scaler = ampscale.create_scaler(backend="torch", init_scale=1024.0)
     scaler.unscale(grads[:1])  # the first call learns that the kernel has this dtype
@@ -558,16 +559,16 @@ def test_no_split_where_worker_threads_would_lose_torch_state(monkeypatch) -> No
     from torch.overrides import TorchFunctionMode
 
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(torch_backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(_torch_cpu.os, "cpu_count", lambda: 2)
     grads = _many(torch.float32, count=300)
-    assert torch_backend._split_ways(grads, torch.float32) == 2
+    assert _torch_cpu._split_ways(grads, torch.float32) == 2
     with TorchFunctionMode():
-        assert torch_backend._split_ways(grads, torch.float32) == 1
+        assert _torch_cpu._split_ways(grads, torch.float32) == 1
     with torch.inference_mode():
-        assert torch_backend._split_ways(grads, torch.float32) == 1
-    assert torch_backend._split_ways(grads[:100], torch.float32) == 1  # too few to pay off
+        assert _torch_cpu._split_ways(grads, torch.float32) == 1
+    assert _torch_cpu._split_ways(grads[:100], torch.float32) == 1  # too few to pay off
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 1)  # the user's setting
-    assert torch_backend._split_ways(grads, torch.float32) == 1
+    assert _torch_cpu._split_ways(grads, torch.float32) == 1
 
 
 class _Marked(torch.Tensor):
@@ -577,10 +578,10 @@ class _Marked(torch.Tensor):
 @needs_two_threads
 def test_no_split_for_tensor_subclasses(torch_kernel_only, monkeypatch) -> None:
     monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(torch_backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(_torch_cpu.os, "cpu_count", lambda: 2)
     used = []
-    real_pool = torch_backend._split_pool
-    monkeypatch.setattr(torch_backend, "_split_pool", lambda workers: used.append(workers) or real_pool(workers))
+    real_pool = _torch_cpu._split_pool
+    monkeypatch.setattr(_torch_cpu, "_split_pool", lambda workers: used.append(workers) or real_pool(workers))
     scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
     scaler.unscale([torch.ones(1)])  # the first call learns that the kernel has float32
 

@@ -31,11 +31,12 @@ torch = pytest.importorskip("torch")
 
 import ampscale  # noqa: E402
 import ampscale.torch as amp_torch  # noqa: E402
+from ampscale.backends import _torch_cpu  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
 from ampscale.backends._base import AliasedGradientsError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not torch_backend.native_cpu_kernel() or torch_backend._EXCHANGE_API is None,
+    not torch_backend.native_cpu_kernel() or _torch_cpu._EXCHANGE_API is None,
     reason="the native kernel is not built, or this torch has no DLPack exchange API",
 )
 
@@ -49,7 +50,7 @@ class NativeSpy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.native = 0
         self.torch = 0
-        real = torch_backend._native
+        real = _torch_cpu._native
         spy = self
 
         class Proxy:
@@ -68,7 +69,7 @@ class NativeSpy:
             spy.torch += 1
             return fused(*args, **kwargs)
 
-        monkeypatch.setattr(torch_backend, "_native", Proxy())
+        monkeypatch.setattr(_torch_cpu, "_native", Proxy())
         monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting_fused)
 
 
@@ -135,7 +136,7 @@ def _pieces(values: torch.Tensor, offsets: tuple[int, ...] = (0, 1, 7, 31, 63)) 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_every_half_precision_pattern_matches_torchs_kernel(spy: NativeSpy, dtype, inv: float) -> None:
     grads = _pieces(_every_pattern(dtype))
-    assert sum(t.numel() for t in grads) > torch_backend._native.PARALLEL_THRESHOLD  # split over threads
+    assert sum(t.numel() for t in grads) > _torch_cpu._native.PARALLEL_THRESHOLD  # split over threads
     expected, want_finite = _torch_kernel(grads, inv)
     finite = torch_backend.BACKEND.check_and_unscale(grads, inv)[1]
     assert spy.native == 1
@@ -327,8 +328,8 @@ def test_torch_compile_traces_torchs_kernel() -> None:
 
 def test_the_native_kernel_follows_torchs_thread_setting(spy: NativeSpy, monkeypatch) -> None:
     seen = []
-    real = torch_backend._native_threads
-    monkeypatch.setattr(torch_backend, "_native_threads", lambda: seen.append(real()) or seen[-1])
+    real = _torch_cpu._native_threads
+    monkeypatch.setattr(_torch_cpu, "_native_threads", lambda: seen.append(real()) or seen[-1])
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -215,7 +215,7 @@ def test_torch_shared_memory_check_is_the_same_for_short_and_long_lists(
     longer ones with NumPy: slices of one buffer, put among 300 unrelated tensors (and an
     empty one), are unscaled once each or refused untouched, whichever way is taken."""
     torch = pytest.importorskip("torch")
-    import ampscale.backends.torch as torch_backend
+    import ampscale.backends._torch_overlap as torch_overlap
 
     others = [torch.full((3,), 8.0) for _ in range(300 if not short else 20)]
     if empty:
@@ -227,7 +227,7 @@ def test_torch_shared_memory_check_is_the_same_for_short_and_long_lists(
     sets = [frozenset(range(12)[start:stop:step]) for start, stop, step in specs]
     nonempty = [s for s in sets if s]
     conflict = any(a != b and a & b for i, a in enumerate(nonempty) for b in nonempty[i + 1 :])
-    assert (len(tree) <= torch_backend._SMALL_LIST) == short
+    assert (len(tree) <= torch_overlap._SMALL_LIST) == short
     scaler = ampscale.create_scaler(backend="torch", init_scale=2.0)
     if conflict:
         with pytest.raises(ampscale.AliasedGradientsError):

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 import ampscale  # noqa: E402
 from ampscale._core import initial_values  # noqa: E402
 from ampscale._scaler import Scaler  # noqa: E402
+from ampscale.backends import _torch_cuda  # noqa: E402
 from ampscale.backends import torch as torch_backend  # noqa: E402
 from tests.fake_cuda import Launches  # noqa: E402
 from tests.test_cuda_glue import module  # noqa: E402, F401  (the fixture: kernels on the host)
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("module")
 def packed(scale: float, scale_floor: float | None) -> Scaler:
     config = ampscale.create_scaler(preset="torch", growth_interval=3).config
     values = initial_values(config)._replace(scale=scale, last_scale=scale)
-    state = torch_backend._packed_from_values(values, config, torch.device("cpu"))
+    state = _torch_cuda._packed_from_values(values, config, torch.device("cpu"))
     return Scaler(config, state, torch_backend.BACKEND, scale_floor)
 
 

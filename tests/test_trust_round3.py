@@ -635,9 +635,9 @@ def _one(backend: str) -> object:
 
 
 def test_float16_gradients_kept_in_float16_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ampscale._scaler
+    import ampscale.backends._base
 
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", False)
+    monkeypatch.setattr(ampscale.backends._base, "_HALF_KEPT_WARNED", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ampscale.create_scaler().unscale([np.ones(2, np.float32)])
@@ -648,7 +648,7 @@ def test_float16_gradients_kept_in_float16_warn_once(monkeypatch: pytest.MonkeyP
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ampscale.create_scaler().unscale([np.ones(2, np.float16)])  # once per process
-    monkeypatch.setattr(ampscale._scaler, "_HALF_KEPT_WARNED", False)
+    monkeypatch.setattr(ampscale.backends._base, "_HALF_KEPT_WARNED", False)
     with pytest.warns(ampscale.AmpscaleWarning, match="float16 gradients are unscaled in float16 on the torch"):
         ampscale.create_scaler("torch").unscale([torch.ones(2, dtype=torch.float16)])
 

@@ -1,10 +1,14 @@
-"""The backend registry: lazy, and never importing a framework the user did not import.
+"""The backend registry (its own layer, above the adapters): lazy, and never importing a
+framework the user did not import.
 
 A backend is chosen by name (``"numpy"``, ``"torch"``, ``"jax"``, ``"cupy"``), by array-API
 namespace (``array_api_strict``, ``jax.numpy``, ...), or detected from an array's *type*. The
 detection looks at the module the type comes from, so it needs no import; the adapter module
 is imported the first time its backend is used (it then imports its framework, which is
 already loaded since the user holds one of its arrays).
+
+:func:`flatten_tree` is the one way down for a tree of arrays: it finds the tree's backend
+(unless the caller knows it) and flattens the tree once, with that backend's tree utility.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import importlib
 import sys
 from typing import Any
 
+from ampscale import _tree
 from ampscale._config import shown
 from ampscale.backends._base import FRAMEWORK_MODULES, Backend
 
-__all__ = ["available_backends", "backend_of", "backend_of_leaves", "get_backend"]
+__all__ = ["available_backends", "backend_of", "backend_of_leaves", "flatten_tree", "get_backend", "probe_leaves"]
 
 #: name -> (adapter module, framework module whose arrays it handles)
 _ADAPTERS: dict[str, tuple[str, str]] = {
@@ -176,3 +181,83 @@ def backend_of_leaves(leaves: Any, what: str = "gradients") -> Backend | None:
 
 def _describe(kind: type | None) -> str:
     return "?" if kind is None else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def flatten_tree(
+    tree: Any, backend: Backend | None = None, *, also: Any = None, what: str = "gradients"
+) -> tuple[Backend, list[Any], Any]:
+    """``(backend, leaves, spec)``: ``tree`` flattened once, by its backend's tree utility.
+
+    ``backend``: the one the caller knows already (a scaler's), used as it is. Without it the
+    backend is that of the tree's first array in tree order (or of ``also``, an array that goes
+    with the tree: the scaled loss), NumPy's where there is none; the walk that finds it stops
+    at that array. Every leaf (and ``also``) must then be of that backend or of none:
+    ``TypeError`` naming the two frameworks otherwise.
+    """
+    if backend is not None:
+        leaves, spec = backend.flatten(tree)
+        return backend, leaves, spec
+    found = _first_backend(tree)
+    if found is None and also is not None:
+        found = backend_of(also)
+    if found is None:
+        found = _load("numpy")
+    leaves, spec = found.flatten(tree)
+    # one leaf of each type is looked up (the dict is built in C); an array of another backend,
+    # or an object of none that JAX may flatten into arrays, is named in tree order
+    others = [backend_of(leaf) for leaf in dict(zip(map(type, leaves), leaves, strict=True)).values()]
+    if also is not None:
+        others.append(backend_of(also))
+    for other in others:
+        if other is not found and (other is not None or ("jax" in sys.modules and found.name != "jax")):
+            _one_framework(tree, also, what)
+            break
+    return found, leaves, spec
+
+
+def _first_backend(tree: Any) -> Backend | None:
+    """The backend of the first array of ``tree`` in tree order (``None``: it holds none)."""
+    for leaf in _tree.iter_leaves(tree):
+        found = backend_of(leaf)
+        if found is None and "jax" in sys.modules:
+            for inner in _pytree_leaves(leaf):
+                found = backend_of(inner)
+                if found is not None:
+                    return found
+        elif found is not None:
+            return found
+    return None
+
+
+def _pytree_leaves(value: Any) -> list[Any]:
+    """The leaves of an object that is no array of any backend, in case it is a pytree registered
+    with JAX (a flax struct, an optax state, ...): JAX's own flatten, through its adapter (the
+    object itself where the adapter cannot load)."""
+    try:
+        jax_backend = _load("jax")
+    except Exception:  # a JAX the adapter cannot use: its first use will say why
+        return [value]
+    return jax_backend.flatten(value)[0]
+
+
+def probe_leaves(tree: Any) -> list[Any]:
+    """Every leaf of ``tree`` in tree order, the leaves of objects registered with JAX included,
+    the same whether or not JAX is imported (a flatten, for detection only).
+
+    Plain containers are walked by ampscale itself (JAX would sort dict keys, and fail on
+    ``{1: a, "b": b}``); only an object that is no array of any backend is handed to JAX.
+    """
+    out: list[Any] = []
+    for leaf in _tree.iter_leaves(tree):
+        if backend_of(leaf) is None and "jax" in sys.modules:
+            out.extend(_pytree_leaves(leaf))
+        else:
+            out.append(leaf)
+    return out
+
+
+def _one_framework(tree: Any, also: Any, what: str) -> None:
+    """Raise the ``TypeError`` for a tree (and ``also``) that mixes two frameworks' arrays,
+    naming the first array of each in tree order (an error path: the tree is walked again)."""
+    leaves = probe_leaves(tree)
+    backend_of_leaves(leaves if also is None else [*leaves, also], what)

@@ -1,5 +1,7 @@
 """The protocol every backend adapter implements.
 
+Adapter protocol layer: below the adapters, above the native code and the host operations.
+
 An adapter does only what differs between frameworks: recognise its arrays, flatten trees,
 check and unscale gradients (fused), hold the state as 0-d arrays on the right device, select
 between two trees without a host branch, and agree on a flag across devices. The state machine
@@ -11,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -19,7 +22,7 @@ import numpy as np
 from ampscale import _tree
 from ampscale._config import shown
 from ampscale._core import INT_FIELDS, ScalerState, transition
-from ampscale._errors import AliasedGradientsError
+from ampscale._errors import AliasedGradientsError, AmpscaleWarning
 from ampscale._native.cuda._packed import PackedState
 from ampscale._ops import ArrayOps, HostOps
 
@@ -31,7 +34,10 @@ __all__ = [
     "Backend",
     "ReadOnlyGuard",
     "WriteGuard",
+    "WIDE_DTYPES",
     "adapter_ready",
+    "check_flag",
+    "check_loss",
     "framework_of",
     "leaf_error",
     "leaf_label",
@@ -145,6 +151,39 @@ def name_leaves(exc: BaseException, paths: Sequence[str] | Callable[[], Sequence
     exc.args = (template.format(*(leaf_label(i, names) for i in exc.leaf_indices)), *exc.args[1:])  # type: ignore[attr-defined]
 
 
+def check_loss(loss: Any) -> None:
+    """A loss must be an array: a Python number cannot start a backward pass, so say what to pass."""
+    if isinstance(loss, (int, float, complex)) and not hasattr(loss, "dtype"):  # np.float64 is a float too
+        raise TypeError(
+            f"loss must be an array of your framework (the value your backward pass starts from), "
+            f"not a Python {type(loss).__name__} ({shown(loss)}): for example np.float32(loss), "
+            "torch.tensor(loss) or jnp.float32(loss)"
+        )
+
+
+def check_flag(flag: Any, name: str) -> None:
+    """A step flag must be a bool or a 0-d boolean array: reject anything else clearly."""
+    if isinstance(flag, bool):
+        return
+    dtype = getattr(flag, "dtype", None)
+    shape = getattr(flag, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(f"{name} must be a Python bool or a 0-d boolean array; got {type(flag).__name__} {shown(flag)}")
+    if tuple(shape) != ():
+        raise TypeError(f"{name} must be 0-d (one flag for the whole step); got shape {tuple(shape)}")
+    kind = getattr(dtype, "kind", None)
+    name_of = str(getattr(dtype, "name", dtype))
+    if kind != "b" and "bool" not in name_of:
+        raise TypeError(f"{name} must be boolean; got dtype {name_of}")
+
+
+#: whether the float16-kept warning (:meth:`Backend.warn_if_half_kept`) was shown in this process
+_HALF_KEPT_WARNED = False
+#: dtypes seen that unscale without underflow in their own dtype (float32, bfloat16, ...): a
+#: tree of only these skips the float16 check with one set comparison
+WIDE_DTYPES: set[Any] = set()
+
+
 def overlap_error(first: int, second: int) -> AliasedGradientsError:
     """The error for two gradients (leaf indices in tree order) that share memory in part."""
     return leaf_error(
@@ -232,6 +271,9 @@ class Backend(abc.ABC):
         in_place: whether writable gradients are unscaled in place.
         lazy_state: whether the state is created on the device of the first arrays seen
             (rather than at ``create_scaler`` time), as ``torch.amp.GradScaler`` does.
+        packed_state: whether the state may be one packed device record (the CUDA backends), on
+            which a step can be one launch (:meth:`fused_unscale`); the scaler asks for that
+            launch only then.
         mutable_arrays: whether the framework's arrays can be written in place (JAX's cannot);
             ``Scaler.step`` then refuses an ``update_fn`` that writes into what it was given.
     """
@@ -241,6 +283,7 @@ class Backend(abc.ABC):
     in_place: ClassVar[bool] = False
     lazy_state: ClassVar[bool] = False
     mutable_arrays: ClassVar[bool] = True
+    packed_state: ClassVar[bool] = False
 
     # -- arrays and trees -------------------------------------------------------------------
     @abc.abstractmethod
@@ -295,6 +338,38 @@ class Backend(abc.ABC):
                     paths=self.leaf_paths(spec) if spec is not None else None,
                 )
         return dtypes
+
+    def warn_if_half_kept(self, config: ScalerConfig, dtypes: set[Any]) -> None:
+        """Warn once per process when float16 (or float8) gradients are unscaled in their own dtype.
+
+        torch refuses float16 gradients in ``unscale_`` for this reason, and jmp's ``unscale``
+        returns float32: an unscaled float16 gradient below 2**-24 is 0, below 2**-14 it loses
+        bits. ``dtypes``: those of a tree about to be unscaled (:meth:`validate`'s).
+        """
+        global _HALF_KEPT_WARNED
+        if _HALF_KEPT_WARNED:
+            return
+        for dtype in dtypes:
+            if dtype in WIDE_DTYPES:
+                continue
+            name = str(getattr(dtype, "name", dtype)).replace("torch.", "")
+            if name != "float16" and not name.startswith("float8"):
+                if len(WIDE_DTYPES) < 64:
+                    WIDE_DTYPES.add(dtype)
+                continue
+            if config.grad_dtype == "keep" and config.scales:
+                _HALF_KEPT_WARNED = True
+                warnings.warn(
+                    f"{name} gradients are unscaled in {name} on the {self.name} backend "
+                    "(grad_dtype='keep'): once unscaled, a float16 gradient below 2**-24 (6e-08) in magnitude is "
+                    "0 and one below 2**-14 (6.1e-05) loses precision, so the small gradients the scale kept from "
+                    "underflowing in the backward pass underflow again. torch refuses float16 gradients here; "
+                    "jmp returns float32. Pass grad_dtype='promote' to get float32 gradients, or keep float32 "
+                    "gradients (master weights). Shown once per process.",
+                    AmpscaleWarning,
+                    stacklevel=4,
+                )
+                return
 
     def adopt_scaler(self, scaler_type: type[Any], pending_type: type[Any]) -> None:
         """Register the scaler classes with the framework where it needs them (JAX: as pytrees).
@@ -376,7 +451,22 @@ class Backend(abc.ABC):
         with them, without another launch. ``loss_finite`` is ``None`` when ``loss`` is.
         ``scale_floor``: a lower bound of the scale known on the host (see
         :meth:`check_and_unscale_bounded`).
+
+        A state packed in one device record (:class:`~ampscale._native.cuda._packed.PackedState`)
+        goes to :meth:`fused_unscale_packed`, with the leaves promoted first where the settings
+        say so (``grad_dtype="promote"``: float32 copies of the 16-bit leaves are checked and
+        unscaled); any other state has no one-launch step.
         """
+        if not isinstance(state, PackedState):
+            return None
+        if config.grad_dtype == "promote":
+            leaves = self.promote(leaves)
+        return self.fused_unscale_packed(config, state, leaves, loss, scale_floor)
+
+    def fused_unscale_packed(
+        self, config: ScalerConfig, state: PackedState, leaves: list[Any], loss: Any, scale_floor: float | None
+    ) -> tuple[list[Any], Any, Any] | None:
+        """:meth:`fused_unscale` for a packed state (a backend's one-launch step); ``None``: none."""
         return None
 
     def check_unscale_and_count(self, leaves: Sequence[Any], inv_scale: Any) -> tuple[list[Any], Any, Any]:
@@ -535,6 +625,12 @@ class Backend(abc.ABC):
         return False
 
     # -- control flow and agreement --------------------------------------------------------
+    def host_flag(self, finite: Any) -> bool | None:
+        """The value of a step's flag where reading it costs no sync (it is in host memory),
+        else ``None``: :meth:`apply_if` and :meth:`apply_in_place` then skip an overflowed
+        step without calling ``update_fn``. The default: a flag on a device."""
+        return None
+
     def apply_if(
         self,
         finite: Any,
@@ -542,17 +638,26 @@ class Backend(abc.ABC):
         params: Any,
         grads: Any,
         opt_state: Any,
+        *,
+        flat: tuple[tuple[list[Any], Any], tuple[list[Any], Any]] | None = None,
     ) -> tuple[Any, Any]:
         """Return ``update_fn(params, grads, opt_state)`` if ``finite``, else the inputs unchanged.
 
-        The default computes the update and selects leaf by leaf with ``where``: no host branch,
-        and on a skipped step the returned leaves equal the inputs bitwise. ``update_fn`` must
-        then be functional (return new arrays, not modify its inputs).
+        A flag in host memory (:meth:`host_flag`) decides in Python: no work on a skipped step.
+        A flag on a device: the update is computed and selected leaf by leaf with ``where``, no
+        host branch, and on a skipped step the returned leaves equal the inputs bitwise;
+        ``update_fn`` must then be functional (return new arrays, not modify its inputs).
+        ``flat``: ``params`` and ``opt_state`` as :meth:`flatten` returns them, where the
+        caller has them (each tree is flattened once per step).
         """
+        on_host = self.host_flag(finite)
+        if on_host is not None:
+            return update_fn(params, grads, opt_state) if on_host else (params, opt_state)
         new_params, new_opt_state = update_fn(params, grads, opt_state)
+        flat_params, flat_opt_state = (None, None) if flat is None else flat
         return (
-            self.select_tree(finite, new_params, params),
-            self.select_tree(finite, new_opt_state, opt_state),
+            self.select_tree(finite, new_params, params, flat_params),
+            self.select_tree(finite, new_opt_state, opt_state, flat_opt_state),
         )
 
     def apply_in_place(
@@ -565,9 +670,12 @@ class Backend(abc.ABC):
     ) -> tuple[Any, Any]:
         """``update_fn(params, grads, opt_state, finite)``: an update that writes in place and
         takes the flag, applying itself only where it is true (:func:`ampscale.masked_add_`),
-        as torch's fused optimizers take ``found_inf``. The default calls it on every step, with
-        the flag on the device (no sync); host backends do not call it on an overflow.
+        as torch's fused optimizers take ``found_inf``. Called on every step with a flag on a
+        device (no sync); not called on an overflow where the flag is in host memory
+        (:meth:`host_flag`).
         """
+        if self.host_flag(finite) is False:
+            return params, opt_state
         return update_fn(params, grads, opt_state, finite)
 
     @contextlib.contextmanager
@@ -610,11 +718,14 @@ class Backend(abc.ABC):
         for target, value in zip(targets, values, strict=True):
             target[...] = xp.where(flag, _as_dtype(xp, value, target.dtype), target)
 
-    def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
-        """``where(condition, a, b)`` leaf by leaf over two trees of the same structure."""
+    def select_tree(
+        self, condition: Any, on_true: Any, on_false: Any, flat_on_false: tuple[list[Any], Any] | None = None
+    ) -> Any:
+        """``where(condition, a, b)`` leaf by leaf over two trees of the same structure
+        (``flat_on_false``: ``on_false`` flattened already)."""
         xp = self.namespace()
         true_leaves, spec = self.flatten(on_true)
-        false_leaves, _ = self.flatten(on_false)
+        false_leaves = self.flatten(on_false)[0] if flat_on_false is None else flat_on_false[0]
         if len(true_leaves) != len(false_leaves):
             raise ValueError(
                 f"update_fn returned a tree with {len(true_leaves)} leaves for one with "

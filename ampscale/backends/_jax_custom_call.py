@@ -1,5 +1,7 @@
 """The JAX backend's fast path: one XLA custom call checks and unscales many leaves (CPU and CUDA).
 
+Adapters' layer, beside :mod:`ampscale.backends.jax`, which it never imports.
+
 XLA compiles each gradient leaf into its own fusion and output buffer; that costs a few
 microseconds per leaf on the CPU (and about as much per leaf on a GPU) and keeps a step well
 below memory speed. The custom call ``ampscale_check_and_unscale_v1`` takes the inverse scale and

@@ -1,5 +1,7 @@
 """The JAX backend's check + unscale as plain XLA operations (no custom call).
 
+Adapters' layer: the JAX adapter and the custom call's fallback both use it.
+
 The pure-XLA path of :mod:`ampscale.backends.jax`, and the lowering the fused custom call
 (:mod:`ampscale.backends._jax_custom_call`) falls back to where it cannot run: both import it from
 here, so neither reaches into the other.

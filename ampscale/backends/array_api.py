@@ -1,5 +1,7 @@
 """Generic backend for any namespace that follows the Python array API standard.
 
+Adapters' layer.
+
 Used for namespaces ampscale has no dedicated adapter for (proven with ``array_api_strict``,
 the standard's reference implementation). Only standard functions are used: the unscale is an
 out-of-place multiply in the array's own dtype, the check is ``all(isfinite(out))`` of each

@@ -1,5 +1,7 @@
 """CuPy backend: one CUDA launch per step (check, unscale and the state update), no host sync.
 
+Adapters' layer.
+
 The kernels (``ampscale/_native/cuda/kernels.cu``, with the state transition emitted as C for the
 scaler's configuration by :mod:`ampscale._codegen`) are compiled by ampscale's own NVRTC call
 (:func:`ampscale._native.cuda.nvrtc.compiled`, cached on disk, the binary the torch backend
@@ -244,6 +246,7 @@ class CupyBackend(Backend, CudaStep):
     name: ClassVar[str] = "cupy"
     in_place: ClassVar[bool] = True
     lazy_state: ClassVar[bool] = True
+    packed_state: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._tables: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -397,14 +400,10 @@ class CupyBackend(Backend, CudaStep):
                 strided.append(leaf)
         return rows, strided
 
-    def fused_unscale(
-        self, config: ScalerConfig, state: Any, leaves: list[Any], loss: Any, scale_floor: float | None = None
+    def fused_unscale_packed(
+        self, config: ScalerConfig, state: PackedState, leaves: list[Any], loss: Any, scale_floor: float | None
     ) -> tuple[list[Any], Any, Any] | None:
         # scale_floor is not needed: ampscale's kernel checks the values it writes
-        if not isinstance(state, PackedState):
-            return None
-        if config.grad_dtype == "promote":  # float32 copies of the 16-bit leaves, checked and unscaled
-            leaves = self.promote(leaves)
         device_id = state.buffer.data.device_id
         rows, strided = self._rows(leaves)
         if strided or any(d != device_id for d in rows):

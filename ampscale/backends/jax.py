@@ -1,5 +1,7 @@
 """JAX backend: jit-native, no host transfer, fused by XLA, pytrees everywhere.
 
+Adapters' layer.
+
 The scaler is a registered pytree: its settings are static auxiliary data (hashed once, never
 leaves, so no jit round trip can drop one), its state the leaves. ``scale``, ``unscale``,
 ``update`` and ``step`` trace under ``jax.jit``, ``lax.scan`` and ``vmap`` and run eagerly too.
@@ -25,16 +27,13 @@ shard); under ``shard_map``/``pmap`` pass ``axis_name`` and the flag is reduced 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
-import sys
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ampscale._after_import import when_imported
 from ampscale._config import ScalerConfig, _round_to
 from ampscale._core import ScalerState, initial_values
 from ampscale._ops import ArrayOps, PlainNamespace
@@ -304,6 +303,8 @@ class JaxBackend(Backend):
         params: Any,
         grads: Any,
         opt_state: Any,
+        *,
+        flat: Any = None,
     ) -> tuple[Any, Any]:
         if not isinstance(finite, jax.core.Tracer):
             # Eager: lax.cond would trace and compile both branches on every call (its cache is
@@ -311,7 +312,7 @@ class JaxBackend(Backend):
             # instead runs the update op by op and selects leaf by leaf (select_tree): no
             # compilation, no host read, and on a skipped step the returned leaves equal the
             # inputs bitwise. Like cond, this returns every leaf as an array.
-            return super().apply_if(finite, update_fn, params, grads, opt_state)
+            return super().apply_if(finite, update_fn, params, grads, opt_state, flat=flat)
         # lax.cond: the update is not computed on an overflowing step (a select under vmap);
         # the skipped branch returns the inputs themselves, bitwise.
         result: tuple[Any, Any] = jax.lax.cond(
@@ -324,7 +325,7 @@ class JaxBackend(Backend):
         )
         return result
 
-    def select_tree(self, condition: Any, on_true: Any, on_false: Any) -> Any:
+    def select_tree(self, condition: Any, on_true: Any, on_false: Any, flat_on_false: Any = None) -> Any:
         # eagerly one cached computation per tree structure, rather than a dispatch per leaf
         select = _select if isinstance(condition, jax.core.Tracer) else _select_jit
         return select(condition, on_true, on_false)
@@ -432,55 +433,6 @@ def restore_fields(serialization: Any, owner: str, template: dict[str, Any], sta
             f"{owner} at path {serialization.current_path()}"
         )
     return out
-
-
-def when_imported(name: str, callback: Callable[[Any], None]) -> None:
-    """Call ``callback(module)`` now if the module ``name`` is imported, else right after its
-    first import (a one-shot import hook): ampscale never imports flax itself."""
-    module = sys.modules.get(name)
-    if module is not None:
-        callback(module)
-        return
-    with _hooks_lock:
-        for finder in sys.meta_path:
-            if isinstance(finder, _AfterImport) and finder.name == name:
-                finder.callbacks.append(callback)
-                return
-        sys.meta_path.insert(0, _AfterImport(name, callback))
-
-
-_hooks_lock = threading.Lock()
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs callbacks once, right after the module ``name`` has been executed."""
-
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
-        self.name = name
-        self.callbacks = [callback]
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        with _hooks_lock:
-            try:
-                sys.meta_path.remove(self)  # one shot; the real spec comes from the other finders
-            except ValueError:
-                return None
-        spec = importlib.util.find_spec(fullname)
-        loader = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-        callbacks = self.callbacks
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            for callback in callbacks:
-                callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def axis_names(group: Any) -> tuple[Any, ...]:

@@ -1,5 +1,7 @@
 """NumPy backend: the reference backend, fused and multi-threaded.
 
+Adapters' layer.
+
 Contiguous float16, bfloat16 (``ml_dtypes``), float32 and float64 arrays go through the native
 kernel (``ampscale/_native/cpu/_numpy.c``): one pass over memory per element (check the exponent bits, multiply in
 float32, write back), the GIL released, large trees split across threads. Anything else
@@ -23,7 +25,7 @@ import numpy as np
 from ampscale._config import ScalerConfig
 from ampscale._core import INT_FIELDS, ScalerState
 from ampscale._errors import PerformanceWarning
-from ampscale._ops import HostOps
+from ampscale._ops import HostOps, host_ops
 from ampscale.backends._base import (
     Backend,
     ReadOnlyGuard,
@@ -36,7 +38,7 @@ from ampscale.backends._base import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
 _native: Any
 try:
@@ -233,10 +235,7 @@ class NumpyBackend(Backend):
         return ScalerState._make([t(v) for v, t in zip(state, _field_types(config), strict=True)])
 
     def ops(self, config: ScalerConfig, state: ScalerState) -> HostOps:
-        ops = config._cache.get("host")
-        if ops is None:
-            ops = config._cache["host"] = HostOps(config)
-        return ops  # type: ignore[no-any-return]
+        return config._cache.get("host") or host_ops(config)  # (the read inline: every step)
 
     def multiply_by_scale(self, loss: Any, scale: Any) -> Any:
         scaled = loss * np.float32(scale)
@@ -264,30 +263,8 @@ class NumpyBackend(Backend):
         # every step's. A 0-d array is a new object per step, and still a 0-d bool array.
         return np.array(finite)
 
-    def apply_if(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        # Host memory: the flag is already here, so a skipped step does no work at all.
-        if bool(finite):
-            return update_fn(params, grads, opt_state)
-        return params, opt_state
-
-    def apply_in_place(
-        self,
-        finite: Any,
-        update_fn: Callable[[Any, Any, Any, Any], tuple[Any, Any]],
-        params: Any,
-        grads: Any,
-        opt_state: Any,
-    ) -> tuple[Any, Any]:
-        if bool(finite):
-            return update_fn(params, grads, opt_state, finite)
-        return params, opt_state
+    def host_flag(self, finite: Any) -> bool:
+        return bool(finite)  # host memory: a skipped step does no work at all
 
     def copy_leaf(self, leaf: Any) -> Any:
         return leaf.copy()

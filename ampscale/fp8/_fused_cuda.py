@@ -95,13 +95,13 @@ def _torch_kernel(device: Any) -> Any:
 
 def _torch_ready(leaves: list[Any], device: Any) -> Any:
     """The kernel, where it may run these leaves now; else ``None``."""
-    from ampscale.backends import torch as torch_backend
+    from ampscale.backends import _torch_cpu, _torch_cuda
 
-    if not torch_backend._native_context():  # torch function / dispatch modes, transforms, compiling
+    if not _torch_cpu._native_context():  # torch function / dispatch modes, transforms, compiling
         return None
-    if not set(map(type, leaves)) <= torch_backend._PLAIN_TYPES:
+    if not set(map(type, leaves)) <= _torch_cpu._PLAIN_TYPES:
         return None
-    if torch_backend._capturing is not None and device.type == "cuda" and torch_backend._capturing():
+    if _torch_cuda._capturing is not None and device.type == "cuda" and _torch_cuda._capturing():
         return None  # the eager path captures as torch operations
     return _torch_kernel(device)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampscale.backends import torch as torch_backend
+from ampscale.backends import _torch_cpu as torch_cpu
 from ampscale.fp8._cast import fp8_dtype, quantize
 from ampscale.fp8._config import FORMATS
 from ampscale.fp8._pass import DIVIDE_IN, FORMAT_CODES, check_scales, nan_byte
@@ -61,19 +61,19 @@ def amax(leaves: list[torch.Tensor], kinds: list[int]) -> tuple[torch.Tensor, to
         done = _fused_cuda.torch_amax(leaves, kinds, device)
         if done is not None:
             return done
-    elif device.type == "cpu" and torch_backend._native_ready():
+    elif device.type == "cpu" and torch_cpu._native_ready():
         out = np.empty(len(leaves), np.float32)
-        native = torch_backend._native
+        native = torch_cpu._native
         finite = native.fp8_amax_tensors(
-            leaves, torch_backend._PLAIN_TUPLE, torch_backend._EXCHANGE_API, out, torch_backend._native_threads()
+            leaves, torch_cpu._PLAIN_TUPLE, torch_cpu._EXCHANGE_API, out, torch_cpu._native_threads()
         )
         if finite is None:
             finite = native.fp8_amax_tensors(
                 _as_readable(leaves),
-                torch_backend._PLAIN_TUPLE,
-                torch_backend._EXCHANGE_API,
+                torch_cpu._PLAIN_TUPLE,
+                torch_cpu._EXCHANGE_API,
                 out,
-                torch_backend._native_threads(),
+                torch_cpu._native_threads(),
             )
         if finite is not None:
             return torch.from_numpy(out), torch.tensor(bool(finite))
@@ -110,23 +110,23 @@ def amax_cast(
         done = _fused_cuda.torch_amax_cast(leaves, kinds, scales, fmt, divide, device)
         if done is not None:
             return done
-    elif device.type == "cpu" and torch_backend._native_ready():
+    elif device.type == "cpu" and torch_cpu._native_ready():
         readable = _as_readable(leaves)
         outs = [torch.empty(t.shape, dtype=torch.uint8) for t in readable]
         amaxes = np.empty(len(leaves), np.float32)
         clipped = np.empty(len(leaves), np.int64)
-        finite = torch_backend._native.fp8_amax_cast_tensors(
+        finite = torch_cpu._native.fp8_amax_cast_tensors(
             readable,
             outs,
-            torch_backend._PLAIN_TUPLE,
-            torch_backend._EXCHANGE_API,
+            torch_cpu._PLAIN_TUPLE,
+            torch_cpu._EXCHANGE_API,
             scales.detach().contiguous().numpy(),
             FORMAT_CODES[fmt],
             divide,
             nan_byte(fmt, "torch"),
             amaxes,
             clipped,
-            torch_backend._native_threads(),
+            torch_cpu._native_threads(),
         )
         if finite is not None:
             return [o.view(dtype) for o in outs], torch.from_numpy(amaxes), torch.from_numpy(clipped)
