@@ -316,3 +316,19 @@ def test_jax_window_max_equals_the_bit_rule_on_both_of_its_paths(nan_rule):
         bits = jax_ops.enter(history)
         for got in (jitted(bits), mapped(bits)):
             assert (np.asarray(jax_ops.leave(got)).view(np.uint32) == want).all(), history
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_python_bool_step_flag_updates_as_on_numpy(preset, backend):
+    """``step_ok`` as a Python ``True`` or ``False`` (the usual form outside a compiled step) on
+    every preset: torch's operations take no Python bool where they want a tensor, so a
+    ``False`` reached them and raised on three presets."""
+    framework = pytest.importorskip(backend)
+    config = make_fp8_config(preset, SLOTS, history_len=4)
+    reference, state = fp8.init_state(config, "numpy"), fp8.init_state(config, backend)
+    to_array = framework.tensor if backend == "torch" else framework.numpy.asarray
+    for amax, ok in [([2.0, 0.5, 40.0], True), ([3.0, 0.0, 60.0], False), ([np.inf, 1.0, 7.0], False)]:
+        reference, _ = fp8.update_state(config, reference, np.float32(amax), ok)
+        state, _ = fp8.update_state(config, state, to_array(np.float32(amax)), ok)
+        assert_same(state, reference, f"{preset} on {backend}, step_ok={ok}")

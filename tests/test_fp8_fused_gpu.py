@@ -118,3 +118,70 @@ def test_cupy_amax_and_cast_are_the_references() -> None:
             reference, count = _fused.reference_cast_numpy(a, float(scales[k]), fmt, False)
             assert (cupy.asnumpy(payloads[k]) == reference.view(np.uint8)).all()
             assert int(clipped[k]) == count
+
+
+_UPDATE_SLOTS = {"x": "forward", "w": "forward", "dy": "backward"}
+# zero, inf, nan, a subnormal and float32's top end among the amaxes; skipped steps between
+_UPDATE_STREAM = [
+    ([2.0, 0.5, 40.0], True),
+    ([np.inf, 0.25, 30.0], False),
+    ([5.0, 0.75, 60.0], False),
+    ([3.0, 0.0, np.nan], True),
+    ([1e-40, 1.0, 3e38], True),
+    ([448.0, 1e-3, 7.0], True),
+]
+
+
+def _cupy_device() -> Any:
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("no CuPy")
+    import cupy
+
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+@pytest.mark.parametrize("preset", sorted(fp8.FP8_PRESETS))
+def test_the_update_on_the_gpu_is_numpys_bit_for_bit(backend: str, preset: str) -> None:
+    """``Fp8Scaler.update`` on device arrays (the one-launch CUDA update, ``fp8/_cuda.py``) gives
+    NumPy's state field by field, bit for bit, with the step flag on the host and on the device.
+    The presets whose rule takes a float32 ``log2`` reproduce torch's CPU ``log2``: a GPU's may
+    round otherwise just below a power of two (none of these amaxes lies there)."""
+    if backend == "torch":
+        torch = _torch_cuda()
+        f8 = fp8.create_fp8_scaler(preset, _UPDATE_SLOTS, backend="torch", device="cuda", history_len=4)
+
+        def device(values: Any, dtype: Any) -> Any:
+            return torch.tensor(values, dtype=dtype, device="cuda")
+
+        def host(x: Any) -> np.ndarray:
+            return x.cpu().numpy()
+
+        flag_dtype, amax_dtype = torch.bool, torch.float32
+    else:
+        cupy = _cupy_device()
+        f8 = fp8.create_fp8_scaler(preset, _UPDATE_SLOTS, backend="cupy", history_len=4)
+
+        def device(values: Any, dtype: Any) -> Any:
+            return cupy.asarray(np.asarray(values, dtype=dtype))
+
+        host = cupy.asnumpy
+        flag_dtype, amax_dtype = np.bool_, np.float32
+    reference = fp8.create_fp8_scaler(preset, _UPDATE_SLOTS, history_len=4)
+    for k, (amax, ok) in enumerate(_UPDATE_STREAM):
+        flag = device(ok, flag_dtype) if k % 2 else ok
+        f8 = f8.update(device(amax, amax_dtype), step_ok=flag)
+        reference = reference.update(np.float32(amax), step_ok=ok)
+        for name, got, want in zip(fp8.Fp8State._fields, f8.state, reference.state, strict=True):
+            assert (got is None) == (want is None), name
+            if got is None:
+                continue
+            got, want = host(got), np.asarray(want)
+            if got.dtype.kind == "f":
+                got, want = got.view(np.uint32), want.view(np.uint32)
+            assert got.tolist() == want.tolist(), f"{preset} {backend} {name} at step {k}"

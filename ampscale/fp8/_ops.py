@@ -274,7 +274,9 @@ class Fp8ArrayOps:
     # ------------------------------------------------------------------ logic
 
     def as_bool(self, value: Any) -> Any:
-        if isinstance(value, bool):
+        """A step flag: ``True`` as it is (folded away), anything else as a bool array (a Python
+        ``False`` too: torch's operations and the array API take no Python bool for an array)."""
+        if value is True:
             return value
         xp = self.xp
         if self.framework == "torch":
@@ -286,14 +288,19 @@ class Fp8ArrayOps:
             return not a
         return self.xp.logical_not(a)
 
+    # a skipped step's flag may be a Python bool (torch's operations take no bools for arrays)
     def logical_and(self, a: Any, b: Any) -> Any:
-        if a is True:
+        if a is True or b is False:
             return b
-        if b is True:
+        if b is True or a is False:
             return a
         return self.xp.logical_and(a, b)
 
     def logical_or(self, a: Any, b: Any) -> Any:
+        if a is False or b is True:
+            return b
+        if b is False or a is True:
+            return a
         return self.xp.logical_or(a, b)
 
     def where(self, condition: Any, a: Any, b: Any) -> Any:
@@ -470,7 +477,7 @@ class Fp8ArrayOps:
             index = head
             previous = (head + (length - 1)) % length
         old = history[rows, index]
-        new = value if write is True else xp.where(write, value, old)
+        new = value if write is True else old if write is False else xp.where(write, value, old)
         if self.framework == "jax":
             out = history.at[rows, index].set(new)
             if twice is not False:
@@ -626,7 +633,7 @@ class _StandardOps(Fp8ArrayOps):
         return self.xp.astype(values, self._float)
 
     def as_bool(self, value: Any) -> Any:
-        if isinstance(value, bool):
+        if value is True:
             return value
         xp = self.xp
         return xp.astype(xp.asarray(value), xp.bool)
