@@ -288,19 +288,14 @@ class Fp8ArrayOps:
             return not a
         return self.xp.logical_not(a)
 
-    # a skipped step's flag may be a Python bool (torch's operations take no bools for arrays)
     def logical_and(self, a: Any, b: Any) -> Any:
-        if a is True or b is False:
+        if a is True:
             return b
-        if b is True or a is False:
+        if b is True:
             return a
         return self.xp.logical_and(a, b)
 
     def logical_or(self, a: Any, b: Any) -> Any:
-        if a is False or b is True:
-            return b
-        if b is False or a is True:
-            return a
         return self.xp.logical_or(a, b)
 
     def where(self, condition: Any, a: Any, b: Any) -> Any:
@@ -477,7 +472,7 @@ class Fp8ArrayOps:
             index = head
             previous = (head + (length - 1)) % length
         old = history[rows, index]
-        new = value if write is True else old if write is False else xp.where(write, value, old)
+        new = value if write is True else xp.where(write, value, old)
         if self.framework == "jax":
             out = history.at[rows, index].set(new)
             if twice is not False:
